@@ -1,0 +1,38 @@
+# The two commands of the README: `make run` and `make test`. Everything they need is set up here.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SOCKET ?= /tmp/guest-agent.sock
+
+.PHONY: run test lint bench bench-quick clean
+
+$(PY):
+	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
+	  echo "python3 -m venv failed; installing python3-venv" >&2; \
+	  rm -rf $(VENV); apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null && \
+	  $(PYTHON) -m venv $(VENV); }
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,dev]'
+	@touch $(STAMP)
+
+run: $(STAMP)
+	@echo "guest-agent listening on unix:$(SOCKET); in another shell:"
+	@echo "  $(VENV)/bin/guest-agent-ctl --connect unix:$(SOCKET) ping"
+	exec $(PY) -m guest_agent --listen unix:$(SOCKET)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy --strict guest_agent
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy --strict guest_agent
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,77 @@
+"""The sans-IO wire protocol: frames, messages and the connection state machine.
+
+This package imports no trio, socket or os (tests/unit/test_protocol_purity.py checks it),
+so the agent, the trio client and the blocking client all share it.
+"""
+
+from ._connection import Connection, Role
+from ._errors import (
+    AgentError,
+    AuthenticationFailed,
+    Cancelled,
+    ConnectionRefusedByAgent,
+    ErrorCode,
+    InvalidParams,
+    LimitExceeded,
+    LocalProtocolError,
+    NotFound,
+    ProtocolError,
+    RemoteOSError,
+    RemoteProtocolError,
+    UnknownMethod,
+    Unsupported,
+    VersionMismatch,
+)
+from ._framing import HEADER_SIZE, FrameDecoder, decode_payload, encode_frame
+from ._messages import (
+    MAX_CHUNK_SIZE,
+    MAX_FRAME_SIZE,
+    PROTOCOL_VERSION,
+    Cancel,
+    Credit,
+    Data,
+    Eof,
+    Error,
+    Event,
+    Hello,
+    Message,
+    Request,
+    Result,
+)
+
+__all__ = [
+    "HEADER_SIZE",
+    "MAX_CHUNK_SIZE",
+    "MAX_FRAME_SIZE",
+    "PROTOCOL_VERSION",
+    "AgentError",
+    "AuthenticationFailed",
+    "Cancel",
+    "Cancelled",
+    "Connection",
+    "ConnectionRefusedByAgent",
+    "Credit",
+    "Data",
+    "Eof",
+    "Error",
+    "ErrorCode",
+    "Event",
+    "FrameDecoder",
+    "Hello",
+    "InvalidParams",
+    "LimitExceeded",
+    "LocalProtocolError",
+    "Message",
+    "NotFound",
+    "ProtocolError",
+    "RemoteOSError",
+    "RemoteProtocolError",
+    "Request",
+    "Result",
+    "Role",
+    "UnknownMethod",
+    "Unsupported",
+    "VersionMismatch",
+    "decode_payload",
+    "encode_frame",
+]

@@ -1,0 +1,134 @@
+"""The narrow interface a service handler sees: one request, its data both ways, no socket."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import trio
+
+from ..protocol import MAX_CHUNK_SIZE, Credit, Data, Eof, Event, InvalidParams, Message
+
+
+class CallTransport(Protocol):
+    """What a connection offers its calls (implemented by server.Session)."""
+
+    async def send(self, message: Message) -> None: ...
+
+    def send_credit(self, request_id: int) -> int: ...
+
+
+# Inbound chunks smaller than this are merged so that a flood of tiny frames costs bytes,
+# not Python objects.
+_COALESCE_BELOW = 4096
+_COALESCE_LIMIT = 64 << 10
+
+
+class Call:
+    """One request being served: params in, data and events out, a final result returned."""
+
+    def __init__(
+        self, request_id: int, method: str, params: dict[str, Any], transport: CallTransport
+    ):
+        self.id = request_id
+        self.method = method
+        self.params = params
+        self._transport = transport
+        self._credit_changed = trio.Event()
+        self._inbound: collections.deque[bytes | bytearray] = collections.deque()
+        self._inbound_eof = False
+        self._inbound_changed = trio.Event()
+        self.cancel_scope = trio.CancelScope()
+
+    # ---- agent to client -------------------------------------------------------------
+
+    async def send_data(self, stream: str, data: bytes | bytearray | memoryview) -> None:
+        """Send ``data`` on ``stream``, waiting for the client's credit as needed."""
+        view = memoryview(data)
+        while view:
+            credit = self._transport.send_credit(self.id)
+            while credit == 0:
+                await self._credit_changed.wait()
+                credit = self._transport.send_credit(self.id)
+            size = min(credit, MAX_CHUNK_SIZE, len(view))
+            await self._transport.send(Data(self.id, stream, bytes(view[:size])))
+            view = view[size:]
+
+    async def wait_for_credit(self) -> int:
+        """Wait until the client allows at least one more byte; return how many."""
+        while (credit := self._transport.send_credit(self.id)) == 0:
+            await self._credit_changed.wait()
+        return credit
+
+    def available_credit(self) -> int:
+        """Bytes the client allows now."""
+        return self._transport.send_credit(self.id)
+
+    async def send_event(self, event: str, body: dict[str, Any]) -> None:
+        """Send a stream event (not flow-controlled: keep them small and few)."""
+        await self._transport.send(Event(self.id, event, body))
+
+    async def send_eof(self, stream: str) -> None:
+        """Tell the client ``stream`` has ended."""
+        await self._transport.send(Eof(self.id, stream))
+
+    # ---- client to agent -------------------------------------------------------------
+
+    async def grant(self, nbytes: int) -> None:
+        """Allow the client to send ``nbytes`` more bytes of data on this call."""
+        await self._transport.send(Credit(self.id, nbytes))
+
+    async def receive(self) -> bytes | bytearray:
+        """The next chunk of data from the client; b"" once it has sent eof."""
+        while not self._inbound:
+            if self._inbound_eof:
+                return b""
+            await self._inbound_changed.wait()
+        return self._inbound.popleft()
+
+    # ---- fed by the connection --------------------------------------------------------
+
+    def credit_arrived(self) -> None:
+        self._credit_changed.set()
+        self._credit_changed = trio.Event()
+
+    def data_arrived(self, data: bytes) -> None:
+        if not data:
+            return
+        last = self._inbound[-1] if self._inbound else None
+        if len(data) < _COALESCE_BELOW:
+            if isinstance(last, bytearray) and len(last) < _COALESCE_LIMIT:
+                last += data
+            else:
+                self._inbound.append(bytearray(data))
+        else:
+            self._inbound.append(data)
+        self._wake_receiver()
+
+    def eof_arrived(self) -> None:
+        self._inbound_eof = True
+        self._wake_receiver()
+
+    def _wake_receiver(self) -> None:
+        self._inbound_changed.set()
+        self._inbound_changed = trio.Event()
+
+
+Handler = Callable[[Call], Awaitable[dict[str, Any]]]
+
+
+def param(call: Call, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    """A request parameter of the expected type, or an InvalidParams error naming it."""
+    value = call.params.get(name)
+    if value is None:
+        if default is ...:
+            raise InvalidParams(f"{call.method}: parameter {name!r} is required")
+        return default
+    bad_bool = isinstance(value, bool) and bool not in (
+        kind if isinstance(kind, tuple) else (kind,)
+    )
+    if not isinstance(value, kind) or bad_bool:
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise InvalidParams(f"{call.method}: parameter {name!r} must be {names}")
+    return value

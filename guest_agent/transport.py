@@ -1,0 +1,327 @@
+"""Address strings to trio listeners (daemon) and streams (clients).
+
+vsock:CID:PORT        AF_VSOCK; listen with vsock:any:PORT
+hybrid:/path:PORT     dial only: Firecracker / Cloud Hypervisor host socket
+serial:/dev/vportNpM  listen only: a virtio-serial port (also serial:name=NAME)
+unix:/path            unix socket (development, tests, virtio-serial chardevs)
+tcp:HOST:PORT         development only; the daemon requires a token for it
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import logging
+import os
+import socket
+import stat
+from dataclasses import dataclass
+
+import trio
+
+log = logging.getLogger(__name__)
+
+HOST_CID = 2
+ADDRESS_FORMS = (
+    "vsock:CID:PORT (vsock:any:PORT to listen), hybrid:/path/to/uds:PORT, "
+    "serial:/dev/vportNpM or serial:name=NAME, unix:/path, tcp:HOST:PORT"
+)
+_HYBRID_REPLY_MAX = 64  # "OK 1073741824\n" fits many times over
+_SERIAL_RETRY_MAX = 1.0
+
+
+class AddressError(ValueError):
+    """A malformed or misused address string."""
+
+
+class TransportError(OSError):
+    """Connecting or handshaking with a transport failed."""
+
+
+@dataclass(frozen=True)
+class VsockAddress:
+    cid: int | None  # None: any (listen only)
+    port: int
+
+    def __str__(self) -> str:
+        return f"vsock:{'any' if self.cid is None else self.cid}:{self.port}"
+
+
+@dataclass(frozen=True)
+class HybridAddress:
+    path: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"hybrid:{self.path}:{self.port}"
+
+
+@dataclass(frozen=True)
+class SerialAddress:
+    path: str | None
+    name: str | None
+
+    def __str__(self) -> str:
+        return f"serial:{self.path}" if self.path else f"serial:name={self.name}"
+
+
+@dataclass(frozen=True)
+class UnixAddress:
+    path: str
+
+    def __str__(self) -> str:
+        return f"unix:{self.path}"
+
+
+@dataclass(frozen=True)
+class TcpAddress:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"tcp:{self.host}:{self.port}"
+
+
+Address = VsockAddress | HybridAddress | SerialAddress | UnixAddress | TcpAddress
+
+
+def _port(text: str, address: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 1 << 32:
+        raise AddressError(f"bad port {text!r} in address {address!r}")
+    return int(text)
+
+
+def parse_address(text: str) -> Address:
+    """Parse an address string; AddressError names the accepted forms."""
+    scheme, sep, rest = text.partition(":")
+    if not sep or not rest:
+        raise AddressError(f"malformed address {text!r}; accepted forms: {ADDRESS_FORMS}")
+    if scheme == "vsock":
+        cid_text, sep, port_text = rest.partition(":")
+        if not sep:
+            raise AddressError(f"vsock address {text!r} needs CID:PORT")
+        if cid_text == "any":
+            cid = None
+        elif cid_text.isdigit():
+            cid = int(cid_text)
+        else:
+            raise AddressError(f"bad vsock CID {cid_text!r} in {text!r} (a number or 'any')")
+        return VsockAddress(cid, _port(port_text, text))
+    if scheme == "hybrid":
+        path, sep, port_text = rest.rpartition(":")
+        if not sep or not path:
+            raise AddressError(f"hybrid address {text!r} needs /path/to/uds:PORT")
+        return HybridAddress(path, _port(port_text, text))
+    if scheme == "serial":
+        if rest.startswith("name="):
+            return SerialAddress(None, rest[len("name=") :])
+        return SerialAddress(rest, None)
+    if scheme == "unix":
+        return UnixAddress(rest)
+    if scheme == "tcp":
+        host, sep, port_text = rest.rpartition(":")
+        if not sep or not host:
+            raise AddressError(f"tcp address {text!r} needs HOST:PORT")
+        return TcpAddress(host.strip("[]"), _port(port_text, text))
+    raise AddressError(f"unknown transport {scheme!r} in {text!r}; accepted forms: {ADDRESS_FORMS}")
+
+
+# ---- dialing ---------------------------------------------------------------------------
+
+
+async def connect(address: Address) -> trio.abc.Stream:
+    """Open a byte stream to an agent listening at ``address``."""
+    if isinstance(address, UnixAddress):
+        return await trio.open_unix_socket(address.path)
+    if isinstance(address, TcpAddress):
+        return await trio.open_tcp_stream(address.host, address.port)
+    if isinstance(address, VsockAddress):
+        if address.cid is None:
+            raise AddressError("vsock:any is for listening; dial a CID")
+        sock = trio.socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        try:
+            await sock.connect((address.cid, address.port))
+        except BaseException:
+            sock.close()
+            raise
+        return trio.SocketStream(sock)
+    if isinstance(address, HybridAddress):
+        return await _connect_hybrid(address)
+    raise AddressError(f"{address} is listen-only")
+
+
+async def _connect_hybrid(address: HybridAddress) -> trio.abc.Stream:
+    stream = await trio.open_unix_socket(address.path)
+    try:
+        await stream.send_all(f"CONNECT {address.port}\n".encode())
+        reply = bytearray()
+        # One byte at a time: anything after the newline already belongs to the agent.
+        while not reply.endswith(b"\n"):
+            byte = await stream.receive_some(1)
+            if not byte:
+                raise TransportError(
+                    errno.ECONNREFUSED,
+                    f"hybrid vsock {address.path}: closed before OK (nothing on port "
+                    f"{address.port}?)",
+                )
+            reply += byte
+            if len(reply) > _HYBRID_REPLY_MAX:
+                raise TransportError(errno.EPROTO, f"hybrid vsock: overlong reply {reply!r}")
+        if not reply.startswith(b"OK "):
+            raise TransportError(errno.EPROTO, f"hybrid vsock: unexpected reply {reply!r}")
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    return stream
+
+
+# ---- listening -------------------------------------------------------------------------
+
+
+async def open_listener(
+    address: Address, *, allowed_cids: frozenset[int] | None = frozenset({HOST_CID})
+) -> trio.abc.Listener[trio.abc.Stream]:
+    """Bind ``address``; ``allowed_cids`` (None: any) filters vsock peers."""
+    if isinstance(address, UnixAddress):
+        return _listen_unix(address.path)
+    if isinstance(address, TcpAddress):
+        listeners = await trio.open_tcp_listeners(address.port, host=address.host)
+        if len(listeners) != 1:
+            for extra in listeners[1:]:
+                await extra.aclose()
+        return listeners[0]
+    if isinstance(address, VsockAddress):
+        sock = trio.socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        try:
+            cid = socket.VMADDR_CID_ANY if address.cid is None else address.cid
+            await sock.bind((cid, address.port))
+            sock.listen(socket.SOMAXCONN)
+        except BaseException:
+            sock.close()
+            raise
+        return VsockListener(trio.SocketListener(sock), allowed_cids)
+    if isinstance(address, SerialAddress):
+        return SerialListener(address)
+    raise AddressError(f"{address} is dial-only")
+
+
+def _listen_unix(path: str) -> trio.SocketListener:
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            _remove_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        # Bind under a tight umask: only root (the host side's operator) may connect.
+        old_umask = os.umask(0o077)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old_umask)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+
+def _remove_stale_socket(path: str) -> None:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # nobody listens: a leftover of a previous run
+        return
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"another process listens on {path}")
+
+
+class VsockListener(trio.abc.Listener[trio.abc.Stream]):
+    """A vsock listener that drops peers whose CID is not allowed."""
+
+    def __init__(self, inner: trio.SocketListener, allowed_cids: frozenset[int] | None) -> None:
+        self.inner = inner
+        self.allowed_cids = allowed_cids
+
+    async def accept(self) -> trio.abc.Stream:
+        while True:
+            stream = await self.inner.accept()
+            cid, port = stream.socket.getpeername()
+            if self.allowed_cids is None or cid in self.allowed_cids:
+                return stream
+            log.warning("event=vsock_refused peer_cid=%s peer_port=%s", cid, port)
+            await trio.aclose_forcefully(stream)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def resolve_serial_port(address: SerialAddress) -> str:
+    """The device path of a serial address (looks named ports up in sysfs; no udev)."""
+    if address.path:
+        return address.path
+    for name_file in sorted(glob.glob("/sys/class/virtio-ports/*/name")):
+        with open(name_file) as f:
+            if f.read().strip() == address.name:
+                return "/dev/" + os.path.basename(os.path.dirname(name_file))
+    raise FileNotFoundError(errno.ENOENT, f"no virtio-serial port named {address.name!r}")
+
+
+class SerialListener(trio.abc.Listener[trio.abc.Stream]):
+    """A virtio-serial port as a listener: one connection at a time, reopened after each.
+
+    While the host side is disconnected, reads return EOF at once; a connection that ended
+    without receiving a byte makes the next accept back off before reopening.
+    """
+
+    def __init__(self, address: SerialAddress) -> None:
+        self.address = address
+        self._current: _SerialStream | None = None
+        self._retry_delay = 0.0
+
+    async def accept(self) -> trio.abc.Stream:
+        if self._current is not None:
+            await self._current.closed.wait()
+            if self._current.received_anything:
+                self._retry_delay = 0.0
+            else:
+                self._retry_delay = min(max(self._retry_delay * 2, 0.05), _SERIAL_RETRY_MAX)
+            self._current = None
+        await trio.sleep(self._retry_delay)
+        path = resolve_serial_port(self.address)
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        self._current = _SerialStream(fd)
+        return self._current
+
+    async def aclose(self) -> None:
+        if self._current is not None:
+            await self._current.aclose()
+        await trio.lowlevel.checkpoint()
+
+
+class _SerialStream(trio.abc.Stream):
+    """An FdStream that remembers whether it got data and signals when it is closed."""
+
+    def __init__(self, fd: int) -> None:
+        self._inner = trio.lowlevel.FdStream(fd)
+        self.closed = trio.Event()
+        self.received_anything = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self._inner.receive_some(max_bytes)
+        if data:
+            self.received_anything = True
+        return data
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            self.closed.set()
