@@ -1,0 +1,7 @@
+"""``python -m guest_agent.ctl``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
