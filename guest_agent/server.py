@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -159,7 +160,7 @@ class Session:
                 call.data_arrived(message.data)
         elif isinstance(message, Credit):
             if (call := self.calls.get(message.id)) is not None:
-                call.credit_arrived()
+                call.credit_arrived(message.bytes)
         elif isinstance(message, Eof):
             if (call := self.calls.get(message.id)) is not None:
                 call.eof_arrived()
@@ -220,7 +221,18 @@ class Session:
         finally:
             del self.calls[call.id]
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.send(final)
+            try:
+                await self.send(final)
+            except ProtocolError as exc:
+                # An unencodable or oversized result is the handler's bug; it must not take
+                # the connection (and with it the agent) down.
+                log.error(
+                    "event=unsendable_result conn=%s method=%s error=%r",
+                    self.name,
+                    call.method,
+                    exc,
+                )
+                await self.send(Error(call.id, ErrorCode.INTERNAL, f"internal error: {exc}"))
 
 
 async def serve(
@@ -230,21 +242,39 @@ async def serve(
     task_status: trio.TaskStatus[list[trio.abc.Listener[Any]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the agent until cancelled; ``task_status.started`` gets the bound listeners."""
-    async with trio.open_nursery() as nursery:
-        runtime = Runtime(config, nursery, timings if timings is not None else {})
-        handlers = build_handlers(runtime)
-        listeners = []
-        for address in config.listen:
-            listener = await open_listener(address, allowed_cids=config.allowed_cids)
-            listeners.append(listener)
-            nursery.start_soon(_accept_loop, listener, address, handlers, config)
-        runtime.timings["ready"] = boottime()
-        log.info(
-            "event=ready version=%s listen=%s",
-            __version__,
-            ",".join(str(a) for a in config.listen),
-        )
-        task_status.started(listeners)
+    cleanups: list[Callable[[], Awaitable[None]]] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            await _start(config, nursery, timings, cleanups, task_status)
+    finally:
+        with trio.CancelScope(shield=True):
+            for cleanup in cleanups:
+                await cleanup()
+
+
+async def _start(
+    config: Config,
+    nursery: trio.Nursery,
+    timings: dict[str, float] | None,
+    cleanups: list[Callable[[], Awaitable[None]]],
+    task_status: trio.TaskStatus[list[trio.abc.Listener[Any]]],
+) -> None:
+    """Build the services, bind every listener and start accepting."""
+    runtime = Runtime(config, nursery, timings if timings is not None else {})
+    runtime.cleanups = cleanups
+    handlers = build_handlers(runtime)
+    listeners = []
+    for address in config.listen:
+        listener = await open_listener(address, allowed_cids=config.allowed_cids)
+        listeners.append(listener)
+        nursery.start_soon(_accept_loop, listener, address, handlers, config)
+    runtime.timings["ready"] = boottime()
+    log.info(
+        "event=ready version=%s listen=%s",
+        __version__,
+        ",".join(str(a) for a in config.listen),
+    )
+    task_status.started(listeners)
 
 
 async def _accept_loop(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -21,13 +23,24 @@ class Runtime:
     # Seconds since boot (CLOCK_BOOTTIME) at agent milestones: process start, imports done, ready.
     timings: dict[str, float] = field(default_factory=dict)
     capabilities: list[str] = field(default_factory=list)
+    # Run (shielded) after the nursery has closed, when the agent stops.
+    cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+class Service(Protocol):
+    """A service: a capability name and the methods it answers."""
+
+    name: str
+
+    def methods(self) -> dict[str, Handler]: ...
 
 
 def build_handlers(runtime: Runtime) -> dict[str, Handler]:
     """Instantiate every service and collect its methods; fills ``runtime.capabilities``."""
+    from .exec import ExecService
     from .system import SystemService
 
-    services = [SystemService(runtime)]
+    services: list[Service] = [SystemService(runtime), ExecService(runtime)]
     handlers: dict[str, Handler] = {}
     for service in services:
         runtime.capabilities.append(service.name)

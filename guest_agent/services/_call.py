@@ -40,6 +40,10 @@ class Call:
         self._inbound_eof = False
         self._inbound_changed = trio.Event()
         self.cancel_scope = trio.CancelScope()
+        # Credit returned by the client so far: the bytes it says it has consumed.
+        self.credit_returned = 0
+        # Called with each credit grant (exec uses it to wake its streamer and track acks).
+        self.credit_callback: Callable[[int], None] | None = None
 
     # ---- agent to client -------------------------------------------------------------
 
@@ -89,7 +93,10 @@ class Call:
 
     # ---- fed by the connection --------------------------------------------------------
 
-    def credit_arrived(self) -> None:
+    def credit_arrived(self, nbytes: int) -> None:
+        self.credit_returned += nbytes
+        if self.credit_callback is not None:
+            self.credit_callback(nbytes)
         self._credit_changed.set()
         self._credit_changed = trio.Event()
 

@@ -1,0 +1,1 @@
+"""The only place that starts processes: spawning, cgroups, output buffers, exec lifecycle."""

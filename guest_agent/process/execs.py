@@ -1,0 +1,475 @@
+"""Exec lifecycle: spawn, pump output, time out, kill the tree, reap, forget.
+
+Each exec is supervised by one task in the agent-lifetime nursery, so it outlives the
+connection that started it. The protocol side (services/exec.py) attaches to an exec to
+stream its output; this module knows nothing of the wire.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from ..protocol import MAX_CHUNK_SIZE, NotFound
+from .cgroup import CgroupManager, ExecCgroup
+from .output import OutputBuffer
+from .spawn import Spawned, SpawnSpec, set_window_size, spawn
+
+log = logging.getLogger(__name__)
+
+# After the main process exits, output still arriving is collected until the pipes have
+# been quiet this long: a background grandchild holding stdout must not keep the exec open.
+DRAIN_IDLE = 0.1
+# How long shutdown waits for a SIGKILLed tree to be reaped.
+_REAP_TIMEOUT = 5.0
+
+
+@dataclass
+class ExecLimits:
+    memory_max: int | None = None
+    pids_max: int | None = None
+
+
+@dataclass
+class Attachment:
+    """One client stream attached to an exec's output."""
+
+    sent: dict[str, int]
+    acked: dict[str, int]
+    lost: dict[str, int]
+    # (stream, bytes) of every data frame sent and not yet acknowledged by returned credit.
+    unacked: collections.deque[tuple[str, int]] = field(default_factory=collections.deque)
+    detach_requested: bool = False
+    superseded: bool = False
+
+
+class Exec:
+    """One command: its process, output buffers, state and end status."""
+
+    def __init__(
+        self,
+        exec_id: str,
+        spec: SpawnSpec,
+        *,
+        user: str,
+        timeout: float | None,
+        kill_grace: float,
+        ring_bytes: int,
+    ) -> None:
+        self.id = exec_id
+        self.spec = spec
+        self.user = user
+        self.timeout = timeout
+        self.kill_grace = kill_grace
+        self.stream_names = ("pty",) if spec.pty_size else ("stdout", "stderr")
+        self.buffers = {name: OutputBuffer(ring_bytes) for name in self.stream_names}
+        self.spawned: Spawned | None = None
+        self.cgroup: ExecCgroup | None = None
+        self.started_at = time.time()
+        self.started_mono = time.monotonic()
+        self.ended = trio.Event()
+        self.ended_mono: float | None = None
+        self.main_exited = False
+        self.exit_code: int | None = None
+        self.signal: int | None = None
+        self.timed_out = False
+        self.killed_by_agent = False
+        self.kill_reason: str | None = None
+        # Lossless while a client is, or may come back, attached; a ring once detached.
+        self.lossless = True
+        self.attachment: Attachment | None = None
+        self.abandon_generation = 0
+        self.stdin: trio.lowlevel.FdStream | None = None
+        self.stdin_lock = trio.Lock()
+        self._changed = trio.Event()
+        self.exited = trio.Event()  # the main process has been reaped
+        self.killing = False
+        self.kill_done = trio.Event()
+
+    @property
+    def pid(self) -> int:
+        return self.spawned.pid if self.spawned else 0
+
+    def notify(self) -> None:
+        """Wake everyone waiting on this exec (streamers, pumps, drain)."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def state(self) -> str:
+        if self.ended.is_set():
+            return "exited"
+        if self.main_exited:
+            return "draining"
+        return "running"
+
+    def end_status(self) -> dict[str, Any]:
+        """The exec's outcome, as end frames and wait report it."""
+        return {
+            "exec_id": self.id,
+            "pid": self.pid,
+            "state": self.state(),
+            "exit_code": self.exit_code,
+            "signal": signal.Signals(self.signal).name if self.signal else None,
+            "timed_out": self.timed_out,
+            "killed_by_agent": self.killed_by_agent,
+            "kill_reason": self.kill_reason,
+            "bytes": {name: buf.end for name, buf in self.buffers.items()},
+            "duration": round((self.ended_mono or time.monotonic()) - self.started_mono, 6),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """One row of exec.list."""
+        status = self.end_status()
+        status.update(
+            argv=list(self.spec.argv),
+            user=self.user,
+            started_at=self.started_at,
+            attached=self.attachment is not None,
+            detached=not self.lossless,
+        )
+        return status
+
+    # ---- attachments (driven by the exec service) -------------------------------------
+
+    def attach(self, offsets: dict[str, int]) -> Attachment:
+        """Attach a stream from ``offsets``; supersedes any current attachment."""
+        if self.attachment is not None:
+            self.attachment.superseded = True
+        sent: dict[str, int] = {}
+        lost: dict[str, int] = {}
+        for name, buf in self.buffers.items():
+            offset = min(max(int(offsets.get(name, 0)), 0), buf.end)
+            lost[name] = max(buf.start - offset, 0)
+            sent[name] = max(offset, buf.start)
+        self.attachment = Attachment(sent=sent, acked=dict(sent), lost=lost)
+        self.abandon_generation += 1  # cancels a pending abandonment kill
+        self.lossless = True
+        for name, buf in self.buffers.items():
+            buf.floor = max(buf.floor, min(sent[name], buf.end))
+        self.notify()
+        return self.attachment
+
+    def record_sent(self, attachment: Attachment, name: str, nbytes: int) -> None:
+        attachment.sent[name] += nbytes
+        attachment.unacked.append((name, nbytes))
+
+    def acknowledge(self, attachment: Attachment, nbytes: int) -> None:
+        """The client returned ``nbytes`` of credit: it consumed that much, in send order."""
+        while nbytes > 0 and attachment.unacked:
+            name, size = attachment.unacked[0]
+            take = min(size, nbytes)
+            attachment.acked[name] += take
+            nbytes -= take
+            if take == size:
+                attachment.unacked.popleft()
+            else:
+                attachment.unacked[0] = (name, size - take)
+            if attachment is self.attachment:
+                self.buffers[name].acknowledge(attachment.acked[name], self.lossless)
+        self.notify()
+
+    def detach(self) -> None:
+        """Stop the current stream; output goes to the ring from now on."""
+        if self.attachment is not None:
+            self.attachment.detach_requested = True
+        self.lossless = False
+        self.notify()
+
+    def release(self, attachment: Attachment) -> bool:
+        """An attachment ended; True if it was the current one (its stream is abandoned)."""
+        if self.attachment is not attachment:
+            return False
+        self.attachment = None
+        return True
+
+    def resize(self, rows: int, cols: int) -> None:
+        if self.spawned is None or self.spawned.pty_fd is None:
+            raise NotFound(f"exec {self.id} has no terminal")
+        set_window_size(self.spawned.pty_fd, rows, cols)
+
+    # ---- signals -------------------------------------------------------------------
+
+    def send_signal(self, signum: int, tree: bool = True) -> None:
+        """Signal the main process, or the whole tree (cgroup, else process group)."""
+        if self.spawned is None or self.ended.is_set():
+            return
+        if not tree:
+            if not self.main_exited:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.spawned.pid, signum)
+            return
+        if self.cgroup is not None:
+            self.cgroup.signal_all(signum)
+        # The process group too: without cgroups it is all we have, and it is cheap.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.spawned.pid, signum)
+
+
+class ExecManager:
+    """All execs of the agent; spawns them and supervises each in ``nursery``."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        cgroups: CgroupManager | None,
+        *,
+        reattach_grace: float,
+        finished_retention: float,
+        max_finished: int,
+    ) -> None:
+        self.nursery = nursery
+        self.cgroups = cgroups
+        self.reattach_grace = reattach_grace
+        self.finished_retention = finished_retention
+        self.max_finished = max_finished
+        self.execs: dict[str, Exec] = {}
+        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._leftover_cgroups: list[ExecCgroup] = []
+
+    def get(self, exec_id: str) -> Exec:
+        try:
+            return self.execs[exec_id]
+        except KeyError:
+            raise NotFound(f"no exec {exec_id!r} (never started, or forgotten)") from None
+
+    def start(
+        self,
+        spec: SpawnSpec,
+        *,
+        user: str,
+        timeout: float | None,
+        kill_grace: float,
+        ring_bytes: int,
+        limits: ExecLimits,
+    ) -> Exec:
+        """Spawn at once (start failures raise here) and supervise in the background."""
+        exec_ = Exec(
+            secrets.token_hex(6),
+            spec,
+            user=user,
+            timeout=timeout,
+            kill_grace=kill_grace,
+            ring_bytes=ring_bytes,
+        )
+        cgroup = None
+        if self.cgroups is not None:
+            cgroup = self.cgroups.create(f"exec-{exec_.id}", limits.memory_max, limits.pids_max)
+        try:
+            exec_.spawned = spawn(spec, self.cgroups, cgroup)
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        exec_.cgroup = cgroup
+        if exec_.spawned.stdin_fd is not None:
+            exec_.stdin = trio.lowlevel.FdStream(exec_.spawned.stdin_fd)
+        elif exec_.spawned.pty_fd is not None:
+            exec_.stdin = trio.lowlevel.FdStream(os.dup(exec_.spawned.pty_fd))
+        self.execs[exec_.id] = exec_
+        self.nursery.start_soon(self._supervise, exec_)
+        log.info(
+            "event=exec_started exec=%s pid=%d argv0=%r user=%s",
+            exec_.id,
+            exec_.pid,
+            spec.argv[0],
+            user,
+        )
+        return exec_
+
+    # ---- supervision ----------------------------------------------------------------
+
+    async def _supervise(self, exec_: Exec) -> None:
+        spawned = exec_.spawned
+        assert spawned is not None
+        outputs = (
+            {"pty": spawned.pty_fd}
+            if spawned.pty_fd is not None
+            else {"stdout": spawned.stdout_fd, "stderr": spawned.stderr_fd}
+        )
+        try:
+            async with trio.open_nursery() as tasks:
+                for name, fd in outputs.items():
+                    assert fd is not None
+                    tasks.start_soon(self._pump, exec_, name, fd)
+                if exec_.timeout is not None:
+                    tasks.start_soon(self._enforce_timeout, exec_, exec_.timeout)
+                # This task is the only one that waits on the pidfd (trio allows one).
+                await trio.lowlevel.wait_readable(spawned.pidfd)
+                self._reap(exec_)
+                await self._drain(exec_)
+                if exec_.killing:
+                    await exec_.kill_done.wait()  # the end frame comes after the tree is gone
+                tasks.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._finish(exec_)
+
+    async def _enforce_timeout(self, exec_: Exec, timeout: float) -> None:
+        await trio.sleep(timeout)
+        if not exec_.main_exited:
+            exec_.timed_out = True
+            await self.terminate(exec_, "timeout")
+
+    def _reap(self, exec_: Exec) -> None:
+        """Collect the main process's status through its pidfd (never waitpid(-1))."""
+        spawned = exec_.spawned
+        assert spawned is not None
+        info = os.waitid(os.P_PIDFD, spawned.pidfd, os.WEXITED)
+        assert info is not None
+        if info.si_code == os.CLD_EXITED:
+            exec_.exit_code = info.si_status
+        else:
+            exec_.signal = info.si_status
+        spawned.popen.returncode = exec_.exit_code if exec_.signal is None else -exec_.signal
+        exec_.main_exited = True
+        exec_.exited.set()
+        exec_.notify()
+
+    async def _pump(self, exec_: Exec, name: str, fd: int) -> None:
+        """Read one output fd into its buffer, only as fast as the buffer has room."""
+        buffer = exec_.buffers[name]
+        stream = trio.lowlevel.FdStream(fd)
+        try:
+            while True:
+                while not buffer.has_room(exec_.lossless):
+                    await exec_.wait_changed()
+                try:
+                    data = await stream.receive_some(MAX_CHUNK_SIZE)
+                except OSError:
+                    data = b""  # EIO: the PTY's last holder closed it
+                if not data:
+                    break
+                buffer.append(bytes(data), exec_.lossless)
+                exec_.notify()
+        finally:
+            buffer.eof = True
+            exec_.notify()
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _drain(self, exec_: Exec) -> None:
+        """Collect output after the main exit until EOF or DRAIN_IDLE of silence."""
+        while not all(buf.eof for buf in exec_.buffers.values()):
+            with trio.move_on_after(DRAIN_IDLE) as idle:
+                await exec_.wait_changed()
+            if idle.cancelled_caught and all(
+                buf.eof or buf.has_room(exec_.lossless) for buf in exec_.buffers.values()
+            ):
+                return  # quiet, and not because a slow client holds the pipe back
+
+    async def _finish(self, exec_: Exec) -> None:
+        """Shielded: make sure the main process is gone and reaped, then record the end."""
+        spawned = exec_.spawned
+        assert spawned is not None
+        if not exec_.main_exited:
+            # The agent is shutting down: nothing may outlive it unsupervised.
+            exec_.killed_by_agent = True
+            exec_.kill_reason = exec_.kill_reason or "agent_shutdown"
+            exec_.send_signal(signal.SIGKILL)
+            with trio.move_on_after(_REAP_TIMEOUT):
+                await trio.lowlevel.wait_readable(spawned.pidfd)
+            with contextlib.suppress(ChildProcessError):
+                self._reap(exec_)
+        elif self.nursery.cancel_scope.cancel_called and exec_.cgroup is not None:
+            exec_.cgroup.signal_all(signal.SIGKILL)  # shutdown: background leftovers too
+        if exec_.stdin is not None:
+            await exec_.stdin.aclose()
+        if spawned.pty_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(spawned.pty_fd)
+        os.close(spawned.pidfd)
+        exec_.ended_mono = time.monotonic()
+        exec_.ended.set()
+        exec_.notify()
+        log.info(
+            "event=exec_ended exec=%s exit_code=%s signal=%s timed_out=%s killed=%s",
+            exec_.id,
+            exec_.exit_code,
+            exec_.signal,
+            exec_.timed_out,
+            exec_.killed_by_agent,
+        )
+        if exec_.cgroup is not None and not exec_.cgroup.remove():
+            # Background processes it started are still running (a server, say).
+            self._leftover_cgroups.append(exec_.cgroup)
+        self._remember_finished(exec_)
+
+    def _remember_finished(self, exec_: Exec) -> None:
+        self._finished[exec_.id] = None
+        while len(self._finished) > self.max_finished:
+            oldest, _ = self._finished.popitem(last=False)
+            self.execs.pop(oldest, None)
+        if not self.nursery.cancel_scope.cancel_called:
+            self.nursery.start_soon(self._forget_later, exec_)
+
+    async def _forget_later(self, exec_: Exec) -> None:
+        await trio.sleep(self.finished_retention)
+        if self._finished.pop(exec_.id, "gone") is None:
+            self.execs.pop(exec_.id, None)
+        self._leftover_cgroups = [cg for cg in self._leftover_cgroups if not cg.remove()]
+
+    # ---- killing -------------------------------------------------------------------
+
+    async def terminate(self, exec_: Exec, reason: str, grace: float | None = None) -> None:
+        """SIGTERM the tree, wait the kill grace, then SIGKILL whatever is left."""
+        if exec_.killing or exec_.ended.is_set():
+            return
+        exec_.killing = True
+        exec_.killed_by_agent = True
+        exec_.kill_reason = reason
+        try:
+            exec_.send_signal(signal.SIGTERM)
+            with trio.move_on_after(exec_.kill_grace if grace is None else grace):
+                await exec_.exited.wait()
+                if exec_.cgroup is not None:
+                    # cgroup.events has no trio-friendly notification; poll during the grace.
+                    while exec_.cgroup.populated():  # noqa: ASYNC110
+                        await trio.sleep(0.02)
+            exec_.send_signal(signal.SIGKILL)
+        finally:
+            exec_.kill_done.set()
+
+    def kill(self, exec_: Exec, reason: str, grace: float | None = None) -> None:
+        """Start ``terminate`` where a cancelled caller cannot interrupt it halfway."""
+        self.nursery.start_soon(self.terminate, exec_, reason, grace)
+
+    def abandon(self, exec_: Exec) -> None:
+        """The attached stream went away without detaching: kill after the reattach grace."""
+        if exec_.ended.is_set():
+            return
+        exec_.abandon_generation += 1
+        self.nursery.start_soon(self._abandon_timer, exec_, exec_.abandon_generation)
+
+    async def _abandon_timer(self, exec_: Exec, generation: int) -> None:
+        with trio.move_on_after(self.reattach_grace):
+            await exec_.ended.wait()
+        if exec_.ended.is_set() or exec_.abandon_generation != generation:
+            return
+        log.info("event=exec_abandoned exec=%s grace=%s", exec_.id, self.reattach_grace)
+        exec_.lossless = False  # nobody is coming back for the output
+        exec_.notify()
+        await self.terminate(exec_, "abandoned")
+
+    async def shutdown(self) -> None:
+        """Remove the leftover cgroups once their processes are gone (agent exit)."""
+        for cgroup in self._leftover_cgroups:
+            cgroup.signal_all(signal.SIGKILL)
+        with trio.move_on_after(_REAP_TIMEOUT):
+            while self._leftover_cgroups:
+                self._leftover_cgroups = [cg for cg in self._leftover_cgroups if not cg.remove()]
+                if self._leftover_cgroups:
+                    await trio.sleep(0.02)
+        if self.cgroups is not None:
+            self.cgroups.cleanup_root()
