@@ -48,6 +48,7 @@ def fail(message: str, code: int = EXIT_AGENT_ERROR) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's flags and subcommands."""
+    from . import exec as exec_commands
     from . import system
 
     p = argparse.ArgumentParser(prog="guest-agent-ctl", description="Talk to a guest agent.")
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     system.register(sub)
+    exec_commands.register(sub)
     return p
 
 

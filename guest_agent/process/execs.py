@@ -90,6 +90,7 @@ class Exec:
         self.abandon_generation = 0
         self.stdin: trio.lowlevel.FdStream | None = None
         self.stdin_lock = trio.Lock()
+        self.stdin_closed = False
         self._changed = trio.Event()
         self.exited = trio.Event()  # the main process has been reaped
         self.killing = False
@@ -194,10 +195,33 @@ class Exec:
         self.attachment = None
         return True
 
+    async def write_stdin(self, data: bytes | bytearray) -> None:
+        """Write to the command's stdin; dropped once it has closed it (as a pipe would)."""
+        async with self.stdin_lock:
+            if self.stdin is None or self.stdin_closed:
+                return
+            try:
+                await self.stdin.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                self.stdin_closed = True
+
+    async def close_stdin(self) -> None:
+        """EOF for the command: close the pipe, or type ^D on a terminal."""
+        if self.spawned is not None and self.spawned.pty_fd is not None:
+            await self.write_stdin(b"\x04")
+            return
+        async with self.stdin_lock:
+            if self.stdin is not None and not self.stdin_closed:
+                self.stdin_closed = True
+                await self.stdin.aclose()
+
     def resize(self, rows: int, cols: int) -> None:
+        """Set the PTY size through the exec's own dup of the master (the pump owns the other)."""
         if self.spawned is None or self.spawned.pty_fd is None:
             raise NotFound(f"exec {self.id} has no terminal")
-        set_window_size(self.spawned.pty_fd, rows, cols)
+        if self.stdin is None:
+            raise NotFound(f"exec {self.id} has ended")
+        set_window_size(self.stdin.fileno(), rows, cols)
 
     # ---- signals -------------------------------------------------------------------
 
@@ -312,6 +336,9 @@ class ExecManager:
                 if exec_.killing:
                     await exec_.kill_done.wait()  # the end frame comes after the tree is gone
                 tasks.cancel_scope.cancel()
+        except Exception:
+            # One exec's failure must never take the agent (and every other exec) down.
+            log.exception("event=exec_supervision_failed exec=%s", exec_.id)
         finally:
             with trio.CancelScope(shield=True):
                 await self._finish(exec_)
@@ -347,7 +374,7 @@ class ExecManager:
                     await exec_.wait_changed()
                 try:
                     data = await stream.receive_some(MAX_CHUNK_SIZE)
-                except OSError:
+                except (trio.BrokenResourceError, OSError):
                     data = b""  # EIO: the PTY's last holder closed it
                 if not data:
                     break
@@ -386,9 +413,7 @@ class ExecManager:
             exec_.cgroup.signal_all(signal.SIGKILL)  # shutdown: background leftovers too
         if exec_.stdin is not None:
             await exec_.stdin.aclose()
-        if spawned.pty_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(spawned.pty_fd)
+        # The pumps own and close the output fds (the PTY master included).
         os.close(spawned.pidfd)
         exec_.ended_mono = time.monotonic()
         exec_.ended.set()

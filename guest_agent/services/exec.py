@@ -273,27 +273,10 @@ class ExecService:
     async def _forward_stdin(self, call: Call, exec_: Exec) -> None:
         """Client stdin frames to the process, granting credit as the pipe takes them."""
         await call.grant(STDIN_WINDOW)
-        while True:
-            data = await call.receive()
-            async with exec_.stdin_lock:
-                stdin = exec_.stdin
-                if stdin is None:
-                    if not data:
-                        return
-                    await call.grant(len(data))  # input after close: consumed and dropped
-                    continue
-                try:
-                    if not data:
-                        if exec_.spawned is not None and exec_.spawned.pty_fd is not None:
-                            await stdin.send_all(b"\x04")  # a terminal's EOF is ^D
-                        else:
-                            exec_.stdin = None
-                            await stdin.aclose()
-                        return
-                    await stdin.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    exec_.stdin = None  # the process closed its stdin; drop the rest
+        while data := await call.receive():
+            await exec_.write_stdin(data)
             await call.grant(len(data))
+        await exec_.close_stdin()
 
     # ---- control ---------------------------------------------------------------------
 
