@@ -10,11 +10,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import itertools
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, BinaryIO, TypeVar, cast
 
 import trio
 
@@ -24,12 +35,14 @@ from .protocol import (
     AgentError,
     Cancel,
     Connection,
+    ConnectionRefusedByAgent,
     Credit,
     Data,
     Eof,
     Error,
     Event,
     Hello,
+    LocalProtocolError,
     Message,
     ProtocolError,
     Request,
@@ -146,6 +159,129 @@ class CallStream:
             await self.client._send(Cancel(self.id))
 
 
+def exec_params(
+    argv: Sequence[str] | None = None,
+    *,
+    command: str | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    user: str | int | None = None,
+    stdin: bool = False,
+    pty: tuple[int, int] | None = None,
+    timeout: float | None = None,
+    kill_grace: float | None = None,
+    detach: bool = False,
+    memory_bytes: int | None = None,
+    pids: int | None = None,
+) -> dict[str, Any]:
+    """The params of exec.start (see docs/protocol.md); ``pty`` is (rows, cols)."""
+    params: dict[str, Any] = {"argv": list(argv)} if argv is not None else {"command": command}
+    optional: dict[str, Any] = {"env": dict(env) if env else None, "cwd": cwd, "user": user}
+    optional.update(timeout=timeout, kill_grace=kill_grace)
+    params.update({key: value for key, value in optional.items() if value is not None})
+    if stdin:
+        params["stdin"] = True
+    if pty is not None:
+        params["pty"] = {"rows": pty[0], "cols": pty[1]}
+    if detach:
+        params["detach"] = True
+    limits = {"memory_bytes": memory_bytes, "pids": pids}
+    if any(value is not None for value in limits.values()):
+        params["limits"] = {key: value for key, value in limits.items() if value is not None}
+    return params
+
+
+@dataclass
+class ExecResult:
+    """A finished exec with its collected output."""
+
+    status: dict[str, Any]
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code, or None when a signal ended it."""
+        code: int | None = self.status.get("exit_code")
+        return code
+
+    @property
+    def signal(self) -> str | None:
+        """The name of the signal that ended it (SIGKILL, ...), if any."""
+        name: str | None = self.status.get("signal")
+        return name
+
+    @property
+    def timed_out(self) -> bool:
+        return bool(self.status.get("timed_out"))
+
+
+class ExecStream:
+    """A running exec's attached stream: its output as it comes, its stdin, its controls."""
+
+    def __init__(self, client: Client, call: CallStream) -> None:
+        self.client = client
+        self.call = call
+        self.exec_id: str = ""
+        self.pid: int = 0
+        self.announcement: dict[str, Any] = {}
+        # Bytes received per stream: what a reattach passes as offsets.
+        self.offsets: dict[str, int] = {}
+
+    async def _read_announcement(self) -> None:
+        first = await self.call.receive()
+        if isinstance(first, Result):  # started detached: no stream follows
+            self.announcement = first.result
+        elif isinstance(first, Event):
+            self.announcement = first.body
+        else:
+            raise ConnectionRefusedByAgent(f"unexpected first frame of an exec: {first!r}")
+        self.exec_id = str(self.announcement.get("exec_id", ""))
+        self.pid = int(self.announcement.get("pid", 0))
+        self.offsets.update(self.announcement.get("offsets", {}))
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        """The end frame (exit status, or detached), once received."""
+        return self.call.result
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
+        return self._output()
+
+    async def _output(self) -> AsyncIterator[tuple[str, bytes]]:
+        async for item in self.call:
+            if isinstance(item, Data):
+                self.offsets[item.stream] = self.offsets.get(item.stream, 0) + len(item.data)
+                yield item.stream, item.data
+
+    async def wait(self) -> dict[str, Any]:
+        """Drain the output and return the end frame."""
+        async for _ in self:
+            pass
+        assert self.call.result is not None
+        return self.call.result
+
+    async def write(self, data: bytes) -> None:
+        """Send bytes to the command's stdin (or terminal)."""
+        await self.call.send_data("stdin", data)
+
+    async def close_stdin(self) -> None:
+        """EOF on the command's stdin (^D on a terminal)."""
+        await self.call.send_eof("stdin")
+
+    async def detach(self) -> None:
+        """End this stream; the command runs on with its output kept in a ring."""
+        await self.client.call("exec.detach", {"exec_id": self.exec_id})
+
+    async def signal(self, signal: str | int, *, tree: bool = True) -> None:
+        """Signal the command's whole tree (or only its main process)."""
+        await self.client.exec_signal(self.exec_id, signal, tree=tree)
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Set the terminal size (PTY execs)."""
+        await self.client.call("exec.resize", {"exec_id": self.exec_id, "rows": rows, "cols": cols})
+
+
 class Client:
     """A connection to an agent, on trio. Use ``async with Client.connect(addr) as c``."""
 
@@ -181,12 +317,19 @@ class Client:
                 await client._handshake(token, software)
             if scope.cancelled_caught:
                 raise ConnectTimeout(f"{address}: no hello from the agent within {timeout} s")
+            # The caller's exception is re-raised outside the reader's nursery, so that it
+            # arrives as itself (UnknownMethod, ...) and not wrapped in an ExceptionGroup.
+            body_error: BaseException | None = None
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client._read_loop)
                 try:
                     yield client
+                except BaseException as exc:
+                    body_error = exc
                 finally:
                     nursery.cancel_scope.cancel()
+            if body_error is not None:
+                raise body_error
         finally:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
@@ -282,6 +425,310 @@ class Client:
         """Agent and protocol versions, capabilities, hostname, uptimes, boot timing."""
         return await self.call("system.info")
 
+    # ---- exec ------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open_exec(
+        self, argv: Sequence[str] | None = None, **options: Any
+    ) -> AsyncIterator[ExecStream]:
+        """Start a command and stream it: ``async for stream, data in ex``; see exec_params."""
+        async with self.open_call("exec.start", exec_params(argv, **options)) as call:
+            stream = ExecStream(self, call)
+            await stream._read_announcement()
+            yield stream
+
+    @asynccontextmanager
+    async def attach_exec(
+        self, exec_id: str, offsets: Mapping[str, int] | None = None
+    ) -> AsyncIterator[ExecStream]:
+        """Attach to a running or finished exec, replaying its output from ``offsets``."""
+        params = {"exec_id": exec_id, "offsets": dict(offsets or {})}
+        async with self.open_call("exec.attach", params) as call:
+            stream = ExecStream(self, call)
+            await stream._read_announcement()
+            yield stream
+
+    async def exec(
+        self, argv: Sequence[str] | None = None, *, input: bytes | None = None, **options: Any
+    ) -> ExecResult:
+        """Run a command to its end and collect its output (``input`` goes to its stdin)."""
+        chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": [], "pty": []}
+        async with (
+            self.open_exec(argv, stdin=input is not None, **options) as ex,
+            trio.open_nursery() as nursery,
+        ):
+            if input is not None:
+
+                async def feed() -> None:
+                    await ex.write(input)
+                    await ex.close_stdin()
+
+                nursery.start_soon(feed)
+            async for name, data in ex:
+                chunks.setdefault(name, []).append(data)
+        assert ex.result is not None
+        stdout = b"".join(chunks["stdout"] or chunks["pty"])
+        return ExecResult(ex.result, stdout, b"".join(chunks["stderr"]))
+
+    async def start_detached(self, argv: Sequence[str] | None = None, **options: Any) -> str:
+        """Start a command that runs on its own; returns its exec id."""
+        result = await self.call("exec.start", exec_params(argv, detach=True, **options))
+        return str(result["exec_id"])
+
+    async def exec_wait(self, exec_id: str, timeout: float | None = None) -> dict[str, Any]:
+        """The end status of an exec (its current state if ``timeout`` passes first)."""
+        params: dict[str, Any] = {"exec_id": exec_id}
+        if timeout is not None:
+            params["timeout"] = timeout
+        return await self.call("exec.wait", params)
+
+    async def exec_kill(self, exec_id: str, grace: float | None = None) -> dict[str, Any]:
+        """SIGTERM the exec's tree, then SIGKILL after the grace; returns its end status."""
+        params: dict[str, Any] = {"exec_id": exec_id}
+        if grace is not None:
+            params["grace"] = grace
+        return await self.call("exec.kill", params)
+
+    async def exec_signal(self, exec_id: str, signal: str | int, *, tree: bool = True) -> None:
+        """Send a signal to the exec's tree, or only its main process."""
+        await self.call("exec.signal", {"exec_id": exec_id, "signal": signal, "tree": tree})
+
+    async def exec_list(self) -> list[dict[str, Any]]:
+        """Running and recently finished execs."""
+        result = await self.call("exec.list")
+        execs: list[dict[str, Any]] = result["execs"]
+        return execs
+
+    # ---- files -----------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open_read(
+        self,
+        path: str,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        user: str | int | None = None,
+        window: int = DEFAULT_WINDOW,
+    ) -> AsyncIterator[AsyncIterator[bytes]]:
+        """Stream a file: ``async with c.open_read(p) as chunks: async for b in chunks``."""
+        params = _drop_none(path=path, offset=offset or None, length=length, user=user)
+        async with self.open_call("file.read", params, window=window) as call:
+            yield _data_chunks(call)
+
+    async def read_file_into(
+        self,
+        path: str,
+        sink: Callable[[bytes], object],
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        user: str | int | None = None,
+    ) -> dict[str, Any]:
+        """Stream a file into ``sink(chunk)`` (which may be async); returns {size, bytes}."""
+        params = _drop_none(path=path, offset=offset or None, length=length, user=user)
+        return await self._download("file.read", params, sink)
+
+    async def read_file(
+        self,
+        path: str,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        user: str | int | None = None,
+    ) -> bytes:
+        """A whole file (or ``length`` bytes from ``offset``) in memory."""
+        parts: list[bytes] = []
+        await self.read_file_into(path, parts.append, offset=offset, length=length, user=user)
+        return b"".join(parts)
+
+    async def write_file(
+        self,
+        path: str,
+        data: bytes | bytearray | memoryview | AsyncIterable[bytes],
+        *,
+        mode: int | None = None,
+        owner: str | int | None = None,
+        parents: bool = False,
+        append: bool = False,
+        exclusive: bool = False,
+        user: str | int | None = None,
+    ) -> dict[str, Any]:
+        """Write a file atomically (unless ``append``) from bytes or an async iterable."""
+        params = _drop_none(
+            path=path,
+            mode=mode,
+            owner=owner,
+            parents=parents or None,
+            append=append or None,
+            exclusive=exclusive or None,
+            user=user,
+        )
+
+        async def feed(call: CallStream) -> None:
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                await call.send_data("file", data)
+            else:
+                async for chunk in data:
+                    await call.send_data("file", chunk)
+
+        return await self._upload("file.write", params, "file", feed)
+
+    async def stat(
+        self, path: str, *, follow: bool = False, user: str | int | None = None
+    ) -> dict[str, Any]:
+        """name, type, size, mode, uid, gid, owner, group, mtime, target of one path."""
+        return await self.call("file.stat", _drop_none(path=path, follow=follow, user=user))
+
+    async def list_dir(
+        self, path: str, *, depth: int = 1, user: str | int | None = None
+    ) -> dict[str, Any]:
+        """{entries: [stat entries plus "path"], truncated, errors} of a directory."""
+        return await self.call("file.list", _drop_none(path=path, depth=depth, user=user))
+
+    async def mkdir(
+        self,
+        path: str,
+        *,
+        parents: bool = False,
+        mode: int | None = None,
+        user: str | int | None = None,
+    ) -> dict[str, Any]:
+        """Create a directory (with its parents when ``parents``)."""
+        params = _drop_none(path=path, parents=parents, mode=mode, user=user)
+        return await self.call("file.mkdir", params)
+
+    async def remove(
+        self, path: str, *, recursive: bool = False, user: str | int | None = None
+    ) -> dict[str, Any]:
+        """Remove a file, symlink or empty directory; a whole tree with ``recursive``."""
+        params = _drop_none(path=path, recursive=recursive, user=user)
+        return await self.call("file.remove", params)
+
+    async def rename(self, src: str, dst: str, *, user: str | int | None = None) -> dict[str, Any]:
+        """Rename or move."""
+        return await self.call("file.rename", _drop_none(src=src, dst=dst, user=user))
+
+    async def chmod(self, path: str, mode: int, *, user: str | int | None = None) -> dict[str, Any]:
+        """Set permission bits."""
+        return await self.call("file.chmod", _drop_none(path=path, mode=mode, user=user))
+
+    async def chown(
+        self, path: str, owner: str | int, *, user: str | int | None = None
+    ) -> dict[str, Any]:
+        """Set owner and group: ``USER[:GROUP]``, ``:GROUP`` or a uid."""
+        return await self.call("file.chown", _drop_none(path=path, owner=owner, user=user))
+
+    async def download_tar(
+        self, path: str, sink: Callable[[bytes], object], *, user: str | int | None = None
+    ) -> dict[str, Any]:
+        """Stream a tar archive of a guest directory (or file) into ``sink(chunk)``."""
+        return await self._download("file.read_tar", _drop_none(path=path, user=user), sink)
+
+    async def upload_tar(
+        self,
+        path: str,
+        data: bytes | bytearray | memoryview | AsyncIterable[bytes],
+        *,
+        user: str | int | None = None,
+    ) -> dict[str, Any]:
+        """Extract a tar archive (bytes or an async iterable) into a guest directory."""
+
+        async def feed(call: CallStream) -> None:
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                await call.send_data("tar", data)
+            else:
+                async for chunk in data:
+                    await call.send_data("tar", chunk)
+
+        return await self._upload("file.write_tar", _drop_none(path=path, user=user), "tar", feed)
+
+    async def download_dir(
+        self,
+        path: str,
+        local_dir: str,
+        *,
+        user: str | int | None = None,
+        progress: Callable[[int], object] | None = None,
+    ) -> dict[str, Any]:
+        """Copy a guest directory's contents into ``local_dir`` (created if needed).
+
+        The guest is not trusted: members that would land outside ``local_dir`` are refused.
+        """
+        from .services.files import extract_tar
+
+        send, receive = trio.open_memory_channel[bytes](4)
+
+        async def next_chunk() -> bytes:
+            try:
+                return await receive.receive()
+            except trio.EndOfChannel:
+                return b""
+
+        async def produce() -> None:
+            async with send:
+
+                async def sink(chunk: bytes) -> None:
+                    await send.send(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
+
+                await self.download_tar(path, sink, user=user)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(produce)
+            return await trio.to_thread.run_sync(
+                extract_tar, local_dir, lambda _: trio.from_thread.run(next_chunk)
+            )
+
+    async def upload_dir(
+        self,
+        local_path: str,
+        path: str,
+        *,
+        user: str | int | None = None,
+        progress: Callable[[int], object] | None = None,
+    ) -> dict[str, Any]:
+        """Copy a local directory's contents (or one file) into guest directory ``path``."""
+        from .services.files import archive_tree
+
+        async def feed(call: CallStream) -> None:
+            def send(chunk: bytes) -> None:
+                trio.from_thread.run(call.send_data, "tar", chunk)
+                if progress is not None:
+                    progress(len(chunk))
+
+            await trio.to_thread.run_sync(archive_tree, local_path, send)
+
+        return await self._upload("file.write_tar", _drop_none(path=path, user=user), "tar", feed)
+
+    async def _download(
+        self, method: str, params: dict[str, Any], sink: Callable[[bytes], object]
+    ) -> dict[str, Any]:
+        async with self.open_call(method, params) as call:
+            async for chunk in _data_chunks(call):
+                if inspect.isawaitable(pending := sink(chunk)):
+                    await pending
+        assert call.result is not None
+        return call.result
+
+    async def _upload(
+        self,
+        method: str,
+        params: dict[str, Any],
+        stream: str,
+        feed: Callable[[CallStream], Awaitable[None]],
+    ) -> dict[str, Any]:
+        async with self.open_call(method, params, window=0) as call:
+            try:
+                await feed(call)
+                await call.send_eof(stream)
+            except (ConnectionLost, LocalProtocolError):
+                if self._conn.is_open(call.id):
+                    raise
+                # The agent ended the call before taking all the data: its reply says why.
+            return await call.wait_result()
+
 
 class SyncClient:
     """A blocking client: the trio ``Client`` on a private thread, driven from yours.
@@ -348,6 +795,34 @@ class SyncClient:
         """Agent facts, as Client.info."""
         return self.run(self.client.info)
 
+    # ---- exec ------------------------------------------------------------------------
+
+    def exec(
+        self, argv: Sequence[str] | None = None, *, input: bytes | None = None, **options: Any
+    ) -> ExecResult:
+        """Run a command to its end and collect its output, as Client.exec."""
+        return self.run(functools.partial(self.client.exec, argv, input=input, **options))
+
+    def start_detached(self, argv: Sequence[str] | None = None, **options: Any) -> str:
+        """Start a detached command; returns its exec id."""
+        return self.run(functools.partial(self.client.start_detached, argv, **options))
+
+    def exec_wait(self, exec_id: str, timeout: float | None = None) -> dict[str, Any]:
+        """As Client.exec_wait."""
+        return self.run(self.client.exec_wait, exec_id, timeout)
+
+    def exec_kill(self, exec_id: str, grace: float | None = None) -> dict[str, Any]:
+        """As Client.exec_kill."""
+        return self.run(self.client.exec_kill, exec_id, grace)
+
+    def exec_signal(self, exec_id: str, signal: str | int, *, tree: bool = True) -> None:
+        """As Client.exec_signal."""
+        self.run(functools.partial(self.client.exec_signal, exec_id, signal, tree=tree))
+
+    def exec_list(self) -> list[dict[str, Any]]:
+        """As Client.exec_list."""
+        return self.run(self.client.exec_list)
+
     @contextmanager
     def open_call(
         self, method: str, params: dict[str, Any] | None = None, *, window: int = DEFAULT_WINDOW
@@ -377,6 +852,114 @@ class SyncClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    # ---- files -----------------------------------------------------------------------
+
+    def read_file(
+        self,
+        path: str,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        user: str | int | None = None,
+    ) -> bytes:
+        """As Client.read_file."""
+        return self.run(
+            functools.partial(self.client.read_file, path, offset=offset, length=length, user=user)
+        )
+
+    def read_file_into(
+        self,
+        path: str,
+        sink: Callable[[bytes], object],
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        user: str | int | None = None,
+    ) -> dict[str, Any]:
+        """As Client.read_file_into; ``sink`` runs on the client's thread."""
+        return self.run(
+            functools.partial(
+                self.client.read_file_into, path, sink, offset=offset, length=length, user=user
+            )
+        )
+
+    def write_file(
+        self,
+        path: str,
+        data: bytes | bytearray | memoryview | BinaryIO | Iterable[bytes],
+        **options: Any,
+    ) -> dict[str, Any]:
+        """As Client.write_file; ``data`` may also be a binary file or an iterable of bytes."""
+        source: bytes | bytearray | memoryview | AsyncIterable[bytes]
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            source = data
+        else:
+            source = _chunks_from_thread(data)
+        return self.run(functools.partial(self.client.write_file, path, source, **options))
+
+    def stat(
+        self, path: str, *, follow: bool = False, user: str | int | None = None
+    ) -> dict[str, Any]:
+        """As Client.stat."""
+        return self.run(functools.partial(self.client.stat, path, follow=follow, user=user))
+
+    def list_dir(
+        self, path: str, *, depth: int = 1, user: str | int | None = None
+    ) -> dict[str, Any]:
+        """As Client.list_dir."""
+        return self.run(functools.partial(self.client.list_dir, path, depth=depth, user=user))
+
+    def mkdir(self, path: str, **options: Any) -> dict[str, Any]:
+        """As Client.mkdir."""
+        return self.run(functools.partial(self.client.mkdir, path, **options))
+
+    def remove(self, path: str, **options: Any) -> dict[str, Any]:
+        """As Client.remove."""
+        return self.run(functools.partial(self.client.remove, path, **options))
+
+    def rename(self, src: str, dst: str, *, user: str | int | None = None) -> dict[str, Any]:
+        """As Client.rename."""
+        return self.run(functools.partial(self.client.rename, src, dst, user=user))
+
+    def chmod(self, path: str, mode: int, *, user: str | int | None = None) -> dict[str, Any]:
+        """As Client.chmod."""
+        return self.run(functools.partial(self.client.chmod, path, mode, user=user))
+
+    def chown(
+        self, path: str, owner: str | int, *, user: str | int | None = None
+    ) -> dict[str, Any]:
+        """As Client.chown."""
+        return self.run(functools.partial(self.client.chown, path, owner, user=user))
+
+    def download_tar(
+        self, path: str, sink: Callable[[bytes], object], *, user: str | int | None = None
+    ) -> dict[str, Any]:
+        """As Client.download_tar; ``sink`` runs on the client's thread."""
+        return self.run(functools.partial(self.client.download_tar, path, sink, user=user))
+
+    def upload_tar(
+        self,
+        path: str,
+        data: bytes | bytearray | memoryview | BinaryIO | Iterable[bytes],
+        *,
+        user: str | int | None = None,
+    ) -> dict[str, Any]:
+        """As Client.upload_tar; ``data`` may also be a binary file or an iterable of bytes."""
+        source: bytes | bytearray | memoryview | AsyncIterable[bytes]
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            source = data
+        else:
+            source = _chunks_from_thread(data)
+        return self.run(functools.partial(self.client.upload_tar, path, source, user=user))
+
+    def download_dir(self, path: str, local_dir: str, **options: Any) -> dict[str, Any]:
+        """As Client.download_dir."""
+        return self.run(functools.partial(self.client.download_dir, path, local_dir, **options))
+
+    def upload_dir(self, local_path: str, path: str, **options: Any) -> dict[str, Any]:
+        """As Client.upload_dir."""
+        return self.run(functools.partial(self.client.upload_dir, local_path, path, **options))
 
 
 class SyncCallStream:
@@ -410,3 +993,36 @@ class SyncCallStream:
 
     def cancel(self) -> None:
         self._owner.run(self.call.cancel)
+
+
+# ---- files helpers -------------------------------------------------------------------
+
+_FILE_CHUNK = 1 << 20
+
+
+def _drop_none(**params: Any) -> dict[str, Any]:
+    """Request params without the unset (None) ones."""
+    return {key: value for key, value in params.items() if value is not None}
+
+
+async def _data_chunks(call: CallStream) -> AsyncIterator[bytes]:
+    """The data of a call, chunk by chunk, until its result."""
+    async for item in call:
+        if isinstance(item, Data) and item.data:
+            yield item.data
+
+
+async def _chunks_from_thread(data: BinaryIO | Iterable[bytes]) -> AsyncIterator[bytes]:
+    """A blocking file or iterable as async chunks, read in worker threads."""
+    if hasattr(data, "read"):
+        reader = cast("BinaryIO", data)
+        while chunk := await trio.to_thread.run_sync(reader.read, _FILE_CHUNK):
+            yield chunk
+        return
+    iterator: Iterator[bytes] = iter(data)
+    while (item := await trio.to_thread.run_sync(_next_or_none, iterator)) is not None:
+        yield item
+
+
+def _next_or_none(iterator: Iterator[bytes]) -> bytes | None:
+    return next(iterator, None)
