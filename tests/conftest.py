@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from guest_agent.config import config_from_settings
+from guest_agent.process.cgroup import find_cgroup2_mount
 from guest_agent.server import serve
 
 StartAgent = Callable[..., Awaitable[str]]
@@ -34,14 +35,54 @@ def short_tmp() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+CGROUP2 = find_cgroup2_mount()
+
+
 @pytest.fixture
-async def start_agent(nursery: trio.Nursery, short_tmp: Path) -> AsyncIterator[StartAgent]:
+def cgroup_root() -> Iterator[str | None]:
+    """A per-test cgroup directory for exec cgroups (None without cgroup2); removed after."""
+    if CGROUP2 is None:
+        yield None
+        return
+    path = os.path.join(CGROUP2, f"ga-test-{os.getpid()}-{next(_cgroup_numbers)}")
+    try:
+        yield path
+    finally:
+        _remove_cgroup_tree(path)
+
+
+_cgroup_numbers = iter(range(1_000_000))
+
+
+def _remove_cgroup_tree(path: str) -> None:
+    """Kill whatever a test left in its cgroups and remove them, leaves first."""
+    if not os.path.isdir(path):
+        return
+    with contextlib.suppress(OSError):
+        Path(path, "cgroup.kill").write_text("1")
+    for directory, _, _ in sorted(os.walk(path), key=lambda entry: -len(entry[0])):
+        for _ in range(200):  # a killed process leaves its cgroup a moment later
+            try:
+                os.rmdir(directory)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
+
+
+@pytest.fixture
+async def start_agent(
+    nursery: trio.Nursery, short_tmp: Path, cgroup_root: str | None
+) -> AsyncIterator[StartAgent]:
     """Start an in-process agent with settings overrides; returns its address string."""
     counter = iter(range(1_000_000))
 
     async def start(**settings: Any) -> str:
         sock = short_tmp / f"agent{next(counter)}.sock"
         settings.setdefault("listen", [f"unix:{sock}"])
+        if cgroup_root is not None:
+            settings.setdefault("cgroup_root", f"{cgroup_root}/{next(counter)}")
         config = config_from_settings(settings)
         await nursery.start(functools.partial(serve, config))
         return str(settings["listen"][0])
@@ -68,12 +109,16 @@ class AgentProcess:
 
 
 @pytest.fixture
-def agent_process(short_tmp: Path) -> Iterator[Callable[..., AgentProcess]]:
+def agent_process(
+    short_tmp: Path, cgroup_root: str | None
+) -> Iterator[Callable[..., AgentProcess]]:
     """Factory for agent subprocesses; all are stopped (SIGTERM, then SIGKILL) at teardown."""
     started: list[AgentProcess] = []
 
     def start(*extra_args: str, env: dict[str, str] | None = None) -> AgentProcess:
         sock = short_tmp / f"proc{len(started)}.sock"
+        if cgroup_root is not None and "--cgroup-root" not in extra_args:
+            extra_args = (*extra_args, "--cgroup-root", f"{cgroup_root}/p{len(started)}")
         log_path = short_tmp / f"proc{len(started)}.log"
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen(
