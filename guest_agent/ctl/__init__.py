@@ -49,7 +49,7 @@ def fail(message: str, code: int = EXIT_AGENT_ERROR) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's flags and subcommands."""
     from . import exec as exec_commands
-    from . import system
+    from . import files, system
 
     p = argparse.ArgumentParser(prog="guest-agent-ctl", description="Talk to a guest agent.")
     p.add_argument(
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     system.register(sub)
     exec_commands.register(sub)
+    files.register(sub)
     return p
 
 

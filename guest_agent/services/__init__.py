@@ -38,9 +38,10 @@ class Service(Protocol):
 def build_handlers(runtime: Runtime) -> dict[str, Handler]:
     """Instantiate every service and collect its methods; fills ``runtime.capabilities``."""
     from .exec import ExecService
+    from .files import FilesService
     from .system import SystemService
 
-    services: list[Service] = [SystemService(runtime), ExecService(runtime)]
+    services: list[Service] = [SystemService(runtime), ExecService(runtime), FilesService(runtime)]
     handlers: dict[str, Handler] = {}
     for service in services:
         runtime.capabilities.append(service.name)
