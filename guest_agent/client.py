@@ -32,6 +32,7 @@ import trio
 from . import __version__
 from .protocol import (
     MAX_CHUNK_SIZE,
+    PROTOCOL_VERSION,
     AgentError,
     Cancel,
     Connection,
@@ -48,6 +49,7 @@ from .protocol import (
     Request,
     Result,
     Role,
+    VersionMismatch,
 )
 from .transport import Address, connect, parse_address
 
@@ -344,6 +346,12 @@ class Client:
                 if isinstance(message, Error):
                     raise AgentError.from_wire(message.code, message.message, message.errno)
         self.agent_hello = self._conn.peer_hello
+        major, minor = self.agent_hello.protocol
+        if major != PROTOCOL_VERSION[0]:
+            raise VersionMismatch(
+                f"the agent speaks protocol {major}.{minor}; this client speaks "
+                f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
+            )
 
     async def _send(self, message: Message) -> None:
         if self._lost is not None:

@@ -17,6 +17,7 @@ import trio
 
 from ..client import Client, ExecStream
 from ..protocol import InvalidParams, RemoteOSError
+from ..signals import signal_number
 from . import emit, fail
 
 EXIT_TIMED_OUT = 124
@@ -74,7 +75,7 @@ def exit_code_for(status: dict[str, Any]) -> int:
     if status.get("timed_out"):
         return EXIT_TIMED_OUT
     if status.get("signal"):
-        return 128 + int(signal.Signals[status["signal"]])
+        return 128 + signal_number(status["signal"])
     code = status.get("exit_code")
     return int(code) if code is not None else 1
 

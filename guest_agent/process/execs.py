@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from ..protocol import MAX_CHUNK_SIZE, NotFound
+from ..signals import signal_name
 from .cgroup import CgroupManager, ExecCgroup
 from .output import OutputBuffer
 from .spawn import Spawned, SpawnSpec, set_window_size, spawn
@@ -86,6 +87,8 @@ class Exec:
         self.kill_reason: str | None = None
         # Lossless while a client is, or may come back, attached; a ring once detached.
         self.lossless = True
+        # Detached once: runs until exit, timeout or kill, whoever attaches later.
+        self.detached = False
         self.attachment: Attachment | None = None
         self.abandon_generation = 0
         self.stdin: trio.lowlevel.FdStream | None = None
@@ -122,7 +125,7 @@ class Exec:
             "pid": self.pid,
             "state": self.state(),
             "exit_code": self.exit_code,
-            "signal": signal.Signals(self.signal).name if self.signal else None,
+            "signal": signal_name(self.signal) if self.signal else None,
             "timed_out": self.timed_out,
             "killed_by_agent": self.killed_by_agent,
             "kill_reason": self.kill_reason,
@@ -138,7 +141,7 @@ class Exec:
             user=self.user,
             started_at=self.started_at,
             attached=self.attachment is not None,
-            detached=not self.lossless,
+            detached=self.detached,
         )
         return status
 
@@ -182,10 +185,12 @@ class Exec:
         self.notify()
 
     def detach(self) -> None:
-        """Stop the current stream; output goes to the ring from now on."""
+        """Stop the current stream; the exec runs on its own, its output into the ring."""
         if self.attachment is not None:
             self.attachment.detach_requested = True
+        self.detached = True
         self.lossless = False
+        self.abandon_generation += 1  # a detach during the reattach grace saves the exec
         self.notify()
 
     def release(self, attachment: Attachment) -> bool:
@@ -471,8 +476,16 @@ class ExecManager:
         self.nursery.start_soon(self.terminate, exec_, reason, grace)
 
     def abandon(self, exec_: Exec) -> None:
-        """The attached stream went away without detaching: kill after the reattach grace."""
+        """The attached stream went away without detaching: kill after the reattach grace.
+
+        An exec that was detached before only goes back to its ring: watching it must not
+        put it at risk.
+        """
         if exec_.ended.is_set():
+            return
+        if exec_.detached:
+            exec_.lossless = False
+            exec_.notify()
             return
         exec_.abandon_generation += 1
         self.nursery.start_soon(self._abandon_timer, exec_, exec_.abandon_generation)

@@ -116,7 +116,8 @@ class Request:
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> Request:
         params = _opt(wire, "params", dict, "request")
-        window = _byte_count(wire, "window", "request") if "window" in wire else 0
+        # nil means absent here as everywhere (a Go client's nil pointer, say).
+        window = _byte_count(wire, "window", "request") if wire.get("window") is not None else 0
         return cls(
             id=_stream_id(wire, "request"),
             method=_name(wire, "method", "request"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import signal
 from typing import Any
 
 import trio
@@ -18,6 +17,7 @@ from ..process.execs import Attachment, Exec, ExecLimits, ExecManager
 from ..process.spawn import SpawnSpec
 from ..process.users import Credentials, resolve_user
 from ..protocol import MAX_CHUNK_SIZE, InvalidParams
+from ..signals import signal_name, signal_number
 from . import Call, Handler, Runtime, param
 
 BASE_ENV = {
@@ -30,20 +30,10 @@ _MAX_TIMEOUT = 10 * 365 * 86400.0
 
 
 def _parse_signal(value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    elif isinstance(value, str):
-        name = value.upper()
-        name = name if name.startswith("SIG") else f"SIG{name}"
-        try:
-            number = int(signal.Signals[name])
-        except KeyError:
-            raise InvalidParams(f"unknown signal {value!r}") from None
-    else:
-        raise InvalidParams("signal must be a name (SIGTERM, TERM) or a number")
-    if number not in signal.valid_signals():
-        raise InvalidParams(f"signal {value!r} is not valid")
-    return number
+    try:
+        return signal_number(value)
+    except ValueError as exc:
+        raise InvalidParams(str(exc)) from None
 
 
 def _strings(value: Any, what: str) -> None:
@@ -208,6 +198,11 @@ class ExecService:
         for name, value in offsets.items():
             if name not in exec_.stream_names or not isinstance(value, int) or value < 0:
                 raise InvalidParams(f"exec.attach: bad offset {name}={value!r}")
+            if value > exec_.buffers[name].end:
+                raise InvalidParams(
+                    f"exec.attach: offset {name}={value} is past the {exec_.buffers[name].end}"
+                    " bytes produced so far"
+                )
         return await self._stream(call, exec_, offsets, announce=True)
 
     async def _stream(
@@ -292,6 +287,8 @@ class ExecService:
         rows, cols = param(call, "rows", int), param(call, "cols", int)
         if not (0 < rows < 65536 and 0 < cols < 65536):
             raise InvalidParams("exec.resize: rows and cols must be 1..65535")
+        if exec_.spec.pty_size is None:
+            raise InvalidParams(f"exec.resize: exec {exec_.id} has no terminal")
         exec_.resize(rows, cols)
         return {}
 
@@ -300,7 +297,7 @@ class ExecService:
         exec_ = self.manager.get(param(call, "exec_id", str))
         signum = _parse_signal(call.params.get("signal", "SIGTERM"))
         exec_.send_signal(signum, tree=param(call, "tree", bool, True))
-        return {"exec_id": exec_.id, "signal": signal.Signals(signum).name}
+        return {"exec_id": exec_.id, "signal": signal_name(signum)}
 
     async def kill(self, call: Call) -> dict[str, Any]:
         """SIGTERM the tree, kill grace, SIGKILL; returns the end status."""

@@ -936,6 +936,7 @@ class FilesService:
     async def chmod(self, call: Call) -> dict[str, Any]:
         """Set permission bits."""
         path = _path_param(call)
+        param(call, "mode", int)  # required here, unlike for write and mkdir
         mode = _mode_param(call, None)
         return await self._as_caller(call, _chmod, path, mode)
 

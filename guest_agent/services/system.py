@@ -35,7 +35,7 @@ class SystemService:
         return {
             "agent_version": __version__,
             "protocol": list(PROTOCOL_VERSION),
-            "capabilities": list(self.runtime.capabilities),
+            "capabilities": sorted(self.runtime.capabilities),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "system_uptime": round(now, 3),

@@ -348,3 +348,45 @@ async def test_without_cgroups_the_process_group_is_killed(start_agent, short_tm
         )
     assert result.timed_out
     assert wait_until_dead([int(p) for p in pids.read_text().split()])
+
+
+async def test_real_time_signals_are_named(agent: str) -> None:
+    async with Client.connect(agent) as client:
+        result = await client.exec(["sh", "-c", f"kill -{signal.SIGRTMIN + 6} $$"])
+        assert result.signal == "SIGRTMIN+6"
+        exec_id = await client.start_detached(["sleep", "30"])
+        await client.exec_signal(exec_id, "SIGRTMIN+6")
+        assert (await client.exec_wait(exec_id, timeout=20))["signal"] == "SIGRTMIN+6"
+
+
+async def test_detach_during_the_grace_saves_the_exec(start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = await start_agent(reattach_grace=0.3)
+    async with Client.connect(agent) as client:
+        async with client.open_exec(command="echo a; sleep 1.5; echo b") as ex:
+            async for _ in ex:
+                break  # abandoned: the grace starts
+        await client.call("exec.detach", {"exec_id": ex.exec_id})
+        status = await client.exec_wait(ex.exec_id, timeout=20)
+    assert status["exit_code"] == 0 and not status["killed_by_agent"]
+
+
+async def test_watching_a_detached_exec_does_not_endanger_it(start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = await start_agent(reattach_grace=0.3)
+    async with Client.connect(agent) as client:
+        exec_id = await client.start_detached(command="echo a; sleep 1.5; echo b")
+        async with client.attach_exec(exec_id) as ex:
+            async for _ in ex:
+                break  # look, then walk away without detaching
+        status = await client.exec_wait(exec_id, timeout=20)
+    assert status["exit_code"] == 0 and not status["killed_by_agent"]
+
+
+async def test_bad_attach_offsets_and_resize_without_terminal(agent: str) -> None:
+    async with Client.connect(agent) as client:
+        exec_id = await client.start_detached(["echo", "hi"])
+        await client.exec_wait(exec_id, timeout=20)
+        with pytest.raises(InvalidParams, match="past"):
+            async with client.attach_exec(exec_id, {"stdout": 10}):
+                pass
+        with pytest.raises(InvalidParams, match="no terminal"):
+            await client.call("exec.resize", {"exec_id": exec_id, "rows": 10, "cols": 10})

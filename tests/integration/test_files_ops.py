@@ -250,3 +250,11 @@ def test_sync_client(agent_process, short_tmp: Path) -> None:  # type: ignore[no
         with pytest.raises(RemoteOSError) as caught:
             client.stat(str(short_tmp / "d"))
         assert caught.value.errno == "ENOENT"
+
+
+async def test_chmod_requires_a_mode(agent: str, short_tmp: Path) -> None:
+    target = short_tmp / "f"
+    target.write_text("x")
+    async with Client.connect(agent) as client:
+        with pytest.raises(InvalidParams, match="mode"):
+            await client.call("file.chmod", {"path": str(target)})

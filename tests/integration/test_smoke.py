@@ -5,7 +5,7 @@ async def test_ping_and_info(agent: str) -> None:
     async with Client.connect(agent) as client:
         await client.ping()
         info = await client.info()
-    assert info["capabilities"] == ["system", "exec", "file"]
+    assert info["capabilities"] == ["exec", "file", "system"]
     assert info["protocol"] == [1, 0]
 
 
