@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .transport import HOST_CID, Address, AddressError, TcpAddress, parse_address
+from .transport import HOST_CID, Address, AddressError, HybridAddress, TcpAddress, parse_address
 
 DEFAULT_LISTEN = "vsock:any:1024"
 CMDLINE_PREFIX = "guest_agent."
@@ -147,7 +147,11 @@ def config_from_settings(settings: Mapping[str, Any]) -> Config:
         )
     except AddressError as exc:
         raise ConfigError(str(exc)) from None
+    if dial_only := [str(a) for a in values["listen"] if isinstance(a, HybridAddress)]:
+        raise ConfigError(f"listen: {', '.join(dial_only)} is dial-only (the host side)")
     token = settings.get("token")
+    if token is not None and not isinstance(token, str):
+        raise ConfigError("token must be a string")
     if settings.get("token_file"):
         try:
             token = Path(settings["token_file"]).read_text().strip()
@@ -179,8 +183,8 @@ def config_from_settings(settings: Mapping[str, Any]) -> Config:
                 values[name] = kind(settings[name])
             except (TypeError, ValueError):
                 raise ConfigError(f"{name}: {settings[name]!r} is not a {kind.__name__}") from None
-            if values[name] < 0:
-                raise ConfigError(f"{name} must not be negative")
+            if not values[name] >= 0:  # also refuses NaN, which trio's timeouts reject
+                raise ConfigError(f"{name}: {settings[name]!r} must be a number >= 0")
     for name in ("cgroup_root", "default_user", "log_level"):
         if settings.get(name) is not None:
             values[name] = str(settings[name])

@@ -86,24 +86,36 @@ class TcpAddress:
 Address = VsockAddress | HybridAddress | SerialAddress | UnixAddress | TcpAddress
 
 
-def _port(text: str, address: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 1 << 32:
+def _number(text: str) -> bool:
+    # ASCII only: str.isdigit() accepts "²", which int() then refuses with a bare ValueError.
+    return text.isascii() and text.isdigit()
+
+
+def _port(text: str, address: str, limit: int = 1 << 32) -> int:
+    if not _number(text) or not 0 < int(text) < limit:
         raise AddressError(f"bad port {text!r} in address {address!r}")
     return int(text)
 
 
 def parse_address(text: str) -> Address:
     """Parse an address string; AddressError names the accepted forms."""
+    try:
+        return _parse_address(text)
+    except AddressError as exc:
+        raise AddressError(f"{exc}; accepted forms: {ADDRESS_FORMS}") from None
+
+
+def _parse_address(text: str) -> Address:
     scheme, sep, rest = text.partition(":")
     if not sep or not rest:
-        raise AddressError(f"malformed address {text!r}; accepted forms: {ADDRESS_FORMS}")
+        raise AddressError(f"malformed address {text!r}")
     if scheme == "vsock":
         cid_text, sep, port_text = rest.partition(":")
         if not sep:
             raise AddressError(f"vsock address {text!r} needs CID:PORT")
         if cid_text == "any":
             cid = None
-        elif cid_text.isdigit():
+        elif _number(cid_text) and int(cid_text) < 1 << 32:
             cid = int(cid_text)
         else:
             raise AddressError(f"bad vsock CID {cid_text!r} in {text!r} (a number or 'any')")
@@ -115,6 +127,8 @@ def parse_address(text: str) -> Address:
         return HybridAddress(path, _port(port_text, text))
     if scheme == "serial":
         if rest.startswith("name="):
+            if rest == "name=":
+                raise AddressError(f"serial address {text!r} needs a port name")
             return SerialAddress(None, rest[len("name=") :])
         return SerialAddress(rest, None)
     if scheme == "unix":
@@ -123,8 +137,8 @@ def parse_address(text: str) -> Address:
         host, sep, port_text = rest.rpartition(":")
         if not sep or not host:
             raise AddressError(f"tcp address {text!r} needs HOST:PORT")
-        return TcpAddress(host.strip("[]"), _port(port_text, text))
-    raise AddressError(f"unknown transport {scheme!r} in {text!r}; accepted forms: {ADDRESS_FORMS}")
+        return TcpAddress(host.strip("[]"), _port(port_text, text, 1 << 16))
+    raise AddressError(f"unknown transport {scheme!r} in {text!r}")
 
 
 # ---- dialing ---------------------------------------------------------------------------

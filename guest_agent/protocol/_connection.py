@@ -136,6 +136,8 @@ class Connection:
         """Check that ``message`` may be sent now and return its frame."""
         if type(message) not in _SENDS[self.role]:
             raise LocalProtocolError(f"a {self.role.value} may not send {message.TYPE!r} frames")
+        # Encode before touching any state: a frame that cannot be sent must change nothing.
+        frame = encode_frame(message.to_wire())
         if not self._sent_hello:
             refusing = isinstance(message, Error) and message.id is None
             if not isinstance(message, Hello) and not refusing:
@@ -162,7 +164,7 @@ class Connection:
                 state.receive_window = min(state.receive_window + message.bytes, MAX_CREDIT)
         elif isinstance(message, (Result, Error)) and message.id is not None:
             self._streams.pop(message.id, None)
-        return encode_frame(message.to_wire())
+        return frame
 
     # ---- state -----------------------------------------------------------------------
 

@@ -16,7 +16,10 @@ _MAX_BUFFERED = HEADER_SIZE + MAX_FRAME_SIZE
 
 def encode_frame(wire: dict[str, Any]) -> bytes:
     """Pack one map into a frame."""
-    payload = msgpack.packb(wire, use_bin_type=True)
+    try:
+        payload = msgpack.packb(wire, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:  # e.g. a set, or an int over 2**64
+        raise LocalProtocolError(f"unencodable frame: {type(exc).__name__}: {exc}") from None
     if len(payload) > MAX_FRAME_SIZE:
         raise LocalProtocolError(
             f"frame of {len(payload)} bytes exceeds {MAX_FRAME_SIZE}", ErrorCode.FRAME_TOO_LARGE
@@ -24,9 +27,76 @@ def encode_frame(wire: dict[str, Any]) -> bytes:
     return len(payload).to_bytes(HEADER_SIZE, "big") + payload
 
 
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"ext type {code} is not allowed")
+
+
+# Deeper than any message of ours; msgpack itself would go to 1024.
+MAX_DEPTH = 32
+# Bytes after the header byte that each fixed-size type occupies.
+_FIXED = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
+# Width of the length field of str, bin and container types.
+_SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
+_CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
+
+
+def check_structure(payload: bytes) -> None:
+    """Walk the msgpack headers, refusing what would make the decoder over-allocate.
+
+    msgpack preallocates a list for every array header before reading its elements, so
+    nested headers each claiming many elements cost far more memory than the frame's bytes.
+    Every element takes at least one byte, so in an honest frame all containers together
+    claim at most as many elements as there are bytes; deeper nesting than MAX_DEPTH is
+    refused too. Strings and bin payloads are skipped by their length, so this is cheap.
+    """
+    size = len(payload)
+    position = 0
+    claimed = 0
+    pending = [1]  # objects still to read at each open nesting level
+    while pending:
+        if pending[-1] == 0:
+            pending.pop()
+            continue
+        pending[-1] -= 1
+        if position >= size:
+            raise RemoteProtocolError("truncated msgpack in frame")
+        byte = payload[position]
+        position += 1
+        count = 0
+        if byte <= 0x7F or byte >= 0xE0 or byte in (0xC0, 0xC2, 0xC3):
+            continue
+        if byte <= 0x8F:
+            count = 2 * (byte & 0x0F)
+        elif byte <= 0x9F:
+            count = byte & 0x0F
+        elif byte <= 0xBF:
+            position += byte & 0x1F
+        elif byte in _FIXED:
+            position += _FIXED[byte]
+        elif byte in _SIZED:
+            width = _SIZED[byte]
+            position += width + int.from_bytes(payload[position : position + width], "big")
+        elif byte in _CONTAINERS:
+            width, per_element = _CONTAINERS[byte]
+            count = per_element * int.from_bytes(payload[position : position + width], "big")
+            position += width
+        else:
+            raise RemoteProtocolError(f"msgpack type byte {byte:#x} is not allowed (ext types)")
+        if count:
+            claimed += count
+            if claimed > size:
+                raise RemoteProtocolError(
+                    f"msgpack containers claim {claimed} elements in a {size}-byte frame"
+                )
+            pending.append(count)
+            if len(pending) > MAX_DEPTH:
+                raise RemoteProtocolError(f"msgpack nesting deeper than {MAX_DEPTH}")
+
+
 def decode_payload(payload: bytes) -> dict[str, Any]:
     """Unpack one frame's payload with every msgpack limit bound to its actual size."""
     size = len(payload)
+    check_structure(payload)
     try:
         # No container can hold more elements than there are bytes left, so bounding the
         # lengths by the payload size refuses a huge array header before it allocates.
@@ -40,6 +110,8 @@ def decode_payload(payload: bytes) -> dict[str, Any]:
             max_array_len=size,
             max_map_len=size // 2,
             max_ext_len=0,
+            # max_ext_len=0 still lets a zero-length ext through as an ExtType.
+            ext_hook=_refuse_ext,
         )
     except Exception as exc:  # msgpack raises many kinds; all mean the same to us
         raise RemoteProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from None
