@@ -33,6 +33,9 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 # Deeper than any message of ours; msgpack itself would go to 1024.
 MAX_DEPTH = 32
+# More elements than any message of ours (a full file.list result has about 150k); it also
+# bounds the pre-scan's time: a frame of a million one-byte objects is refused after this.
+MAX_ELEMENTS = 1 << 18
 # Bytes after the header byte that each fixed-size type occupies.
 _FIXED = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
 # Width of the length field of str, bin and container types.
@@ -52,6 +55,7 @@ def check_structure(payload: bytes) -> None:
     size = len(payload)
     position = 0
     claimed = 0
+    limit = min(size, MAX_ELEMENTS)
     pending = [1]  # objects still to read at each open nesting level
     while pending:
         if pending[-1] == 0:
@@ -84,9 +88,10 @@ def check_structure(payload: bytes) -> None:
             raise RemoteProtocolError(f"msgpack type byte {byte:#x} is not allowed (ext types)")
         if count:
             claimed += count
-            if claimed > size:
+            if claimed > limit:
                 raise RemoteProtocolError(
                     f"msgpack containers claim {claimed} elements in a {size}-byte frame"
+                    f" (at most {limit})"
                 )
             pending.append(count)
             if len(pending) > MAX_DEPTH:

@@ -19,6 +19,7 @@ from guest_agent.protocol import (
     encode_frame,
 )
 from guest_agent.protocol._errors import ErrorCode
+from guest_agent.protocol._framing import MAX_ELEMENTS
 
 ALLOCATION_BUDGET = 1 << 20
 
@@ -182,3 +183,12 @@ def test_frames_after_an_incomplete_one_wait_for_it() -> None:
     assert decoder.pending == 3
     assert decoder.feed(two[3:]) == [{"n": 2}]
     assert decoder.pending == 0
+
+
+def test_too_many_elements_refused_before_decoding() -> None:
+    count = MAX_ELEMENTS + 1
+    payload = b"\x81\xa1a\xdd" + count.to_bytes(4, "big") + b"\x00" * count
+    with pytest.raises(RemoteProtocolError, match="claim"):
+        decode_payload(payload)
+    fine = b"\x81\xa1a\xdd" + (1000).to_bytes(4, "big") + b"\x00" * 1000
+    assert decode_payload(fine) == {"a": [0] * 1000}
