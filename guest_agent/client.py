@@ -663,7 +663,7 @@ class Client:
 
         The guest is not trusted: members that would land outside ``local_dir`` are refused.
         """
-        from .services.files import extract_tar
+        from .filesystem.tar import extract_tar
 
         send, receive = trio.open_memory_channel[bytes](4)
 
@@ -698,7 +698,7 @@ class Client:
         progress: Callable[[int], object] | None = None,
     ) -> dict[str, Any]:
         """Copy a local directory's contents (or one file) into guest directory ``path``."""
-        from .services.files import archive_tree
+        from .filesystem.tar import archive_tree
 
         async def feed(call: CallStream) -> None:
             def send(chunk: bytes) -> None:

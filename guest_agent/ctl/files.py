@@ -235,7 +235,7 @@ async def _copy_out(client: Client, path: str, local: str, user: str | None) -> 
         sys.stdout.buffer.flush()
         progress.finish()
         return 0
-    from ..services.files import FileWriter
+    from ..filesystem.atomic import FileWriter
 
     target = await trio.to_thread.run_sync(_local_target, local, name)
     # The local copy is atomic too: a failed download leaves what was there before.

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
+from guest_agent.filesystem.credentials import Credentials, parse_owner, resolve_user, run_as
+from guest_agent.filesystem.tar import UnsafeArchive, _check_symlink, member_parts
 from guest_agent.protocol import InvalidParams
-from guest_agent.services._fsuser import Credentials, parse_owner, resolve_user, run_as
-from guest_agent.services.files import UnsafeArchive, _check_symlink, member_parts
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
 NOBODY = Credentials(65534, 65534, (65534,), "nobody")

@@ -1,0 +1,1 @@
+"""Blocking filesystem work, run in worker threads by services/files.py; no protocol, no trio."""
