@@ -20,10 +20,10 @@ import logging
 import os
 import pwd
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from ..protocol import InvalidParams
+from ..users import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +36,6 @@ _SYSCALLS = {
     "riscv64": (151, 152, 159),
 }
 _NGROUPS_MAX = 65536
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """Who a file operation runs as."""
-
-    uid: int
-    gid: int
-    groups: tuple[int, ...]
-    name: str
 
 
 class _Syscalls:
@@ -90,20 +80,6 @@ def _current_fsuid(calls: _Syscalls) -> int:
 
 def _current_fsgid(calls: _Syscalls) -> int:
     return calls.setfsgid(-1) & 0xFFFFFFFF
-
-
-def resolve_user(spec: str | int) -> Credentials:
-    """Credentials of a user given by name or numeric uid; InvalidParams if unknown."""
-    text = str(spec)
-    try:
-        entry = pwd.getpwuid(int(text)) if text.isdigit() else pwd.getpwnam(text)
-    except KeyError:
-        if not text.isdigit():
-            raise InvalidParams(f"unknown user {text!r}") from None
-        # A bare uid with no passwd entry is still a real identity: its own group only.
-        return Credentials(int(text), int(text), (int(text),), text)
-    groups = tuple(sorted(set(os.getgrouplist(entry.pw_name, entry.pw_gid))))
-    return Credentials(entry.pw_uid, entry.pw_gid, groups, entry.pw_name)
 
 
 def _group_id(text: str) -> int:

@@ -17,8 +17,8 @@ import subprocess
 import termios
 from dataclasses import dataclass, field
 
+from ..users import Credentials
 from .cgroup import CgroupManager, ExecCgroup
-from .users import Credentials
 
 # Bigger pipes mean fewer wake-ups per MiB streamed (the kernel default is 64 KiB).
 PIPE_SIZE = 1 << 20

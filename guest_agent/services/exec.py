@@ -7,7 +7,6 @@ an exec's buffers into credit-respecting data frames.
 from __future__ import annotations
 
 import os
-import pwd
 from typing import Any
 
 import trio
@@ -15,9 +14,9 @@ import trio
 from ..process.cgroup import CgroupManager
 from ..process.execs import Attachment, Exec, ExecLimits, ExecManager
 from ..process.spawn import SpawnSpec
-from ..process.users import Credentials, resolve_user
 from ..protocol import MAX_CHUNK_SIZE, InvalidParams
 from ..signals import signal_name, signal_number
+from ..users import Credentials, current_user, resolve_user
 from . import Call, Handler, Runtime, param
 
 BASE_ENV = {
@@ -56,18 +55,7 @@ class ExecService:
             max_finished=runtime.config.max_finished_execs,
         )
         runtime.cleanups.append(self.manager.shutdown)
-        self._own_user = self._current_user()
-
-    @staticmethod
-    def _current_user() -> Credentials:
-        uid = os.geteuid()
-        try:
-            entry = pwd.getpwuid(uid)
-        except KeyError:
-            return Credentials(uid, os.getegid(), (os.getegid(),), str(uid), "/", "/bin/sh")
-        return Credentials(
-            uid, entry.pw_gid, (entry.pw_gid,), entry.pw_name, entry.pw_dir, entry.pw_shell
-        )
+        self._own_user = current_user()
 
     def methods(self) -> dict[str, Handler]:
         return {

@@ -19,9 +19,10 @@ import trio
 
 from ..filesystem import ops
 from ..filesystem.atomic import FileWriter
-from ..filesystem.credentials import Credentials, parse_owner, resolve_user, run_as
+from ..filesystem.credentials import parse_owner, run_as
 from ..filesystem.tar import archive_tree, extract_tar
 from ..protocol import InvalidParams
+from ..users import Credentials, resolve_user
 from . import Call, Handler, Runtime, param
 
 T = TypeVar("T")

@@ -7,9 +7,10 @@ import threading
 
 import pytest
 
-from guest_agent.filesystem.credentials import Credentials, parse_owner, resolve_user, run_as
+from guest_agent.filesystem.credentials import parse_owner, run_as
 from guest_agent.filesystem.tar import UnsafeArchive, _check_symlink, member_parts
 from guest_agent.protocol import InvalidParams
+from guest_agent.users import Credentials, resolve_user
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
 NOBODY = Credentials(65534, 65534, (65534,), "nobody")

@@ -1,4 +1,4 @@
-"""Resolving the user an exec or file operation runs as."""
+"""Who an exec or a file operation runs as: one resolution for both."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pwd
 from dataclasses import dataclass
 
-from ..protocol import InvalidParams
+from .protocol import InvalidParams
 
 
 @dataclass(frozen=True)
@@ -18,17 +18,17 @@ class Credentials:
     gid: int
     groups: tuple[int, ...]
     name: str
-    home: str
-    shell: str
+    home: str = "/"
+    shell: str = "/bin/sh"
 
     def login_env(self) -> dict[str, str]:
         """HOME, USER, LOGNAME and SHELL for this user."""
         return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name, "SHELL": self.shell}
 
 
-def resolve_user(spec: str) -> Credentials:
+def resolve_user(spec: str | int) -> Credentials:
     """``NAME``, ``UID``, ``UID:GID`` or ``NAME:GROUP`` to credentials, or InvalidParams."""
-    user_part, _, group_part = spec.partition(":")
+    user_part, _, group_part = str(spec).partition(":")
     try:
         entry = pwd.getpwuid(int(user_part)) if user_part.isdigit() else pwd.getpwnam(user_part)
     except KeyError:
@@ -51,4 +51,16 @@ def resolve_user(spec: str) -> Credentials:
         name=name,
         home=entry.pw_dir if entry else "/",
         shell=(entry.pw_shell if entry else "") or "/bin/sh",
+    )
+
+
+def current_user() -> Credentials:
+    """The agent's own identity, with its login variables (the default for execs)."""
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        return Credentials(uid, gid, (gid,), str(uid))
+    return Credentials(
+        uid, entry.pw_gid, (entry.pw_gid,), entry.pw_name, entry.pw_dir, entry.pw_shell
     )
