@@ -308,7 +308,7 @@ class ExecManager:
             exec_.stdin = trio.lowlevel.FdStream(os.dup(exec_.spawned.pty_fd))
         self.execs[exec_.id] = exec_
         self.nursery.start_soon(self._supervise, exec_)
-        log.info(
+        log.debug(
             "event=exec_started exec=%s pid=%d argv0=%r user=%s",
             exec_.id,
             exec_.pid,
@@ -423,13 +423,20 @@ class ExecManager:
         exec_.ended_mono = time.monotonic()
         exec_.ended.set()
         exec_.notify()
+        # Let the streams send their end frames before the bookkeeping below.
+        await trio.lowlevel.checkpoint()
         log.info(
-            "event=exec_ended exec=%s exit_code=%s signal=%s timed_out=%s killed=%s",
+            "event=exec_ended exec=%s argv0=%r user=%s pid=%d exit_code=%s signal=%s "
+            "timed_out=%s killed=%s seconds=%.3f",
             exec_.id,
+            exec_.spec.argv[0],
+            exec_.user,
+            exec_.pid,
             exec_.exit_code,
             exec_.signal,
             exec_.timed_out,
-            exec_.killed_by_agent,
+            exec_.kill_reason,
+            exec_.ended_mono - exec_.started_mono,
         )
         if exec_.cgroup is not None and not exec_.cgroup.remove():
             # Background processes it started are still running (a server, say).
