@@ -51,7 +51,7 @@ from .protocol import (
     Role,
     VersionMismatch,
 )
-from .transport import Address, connect, parse_address
+from .transport import Address, connect, parse_address, send_parts
 
 DEFAULT_WINDOW = 4 << 20
 RECEIVE_SIZE = 256 << 10
@@ -358,7 +358,7 @@ class Client:
             raise ConnectionLost(f"connection to the agent lost: {self._lost}")
         async with self._send_lock:
             try:
-                await self._stream.send_all(self._conn.send(message))
+                await send_parts(self._stream, self._conn.send_parts(message))
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise ConnectionLost(f"connection to the agent lost: {exc}") from exc
 

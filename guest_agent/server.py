@@ -36,7 +36,7 @@ from .protocol import (
     Role,
 )
 from .services import Call, Handler, Runtime, build_handlers
-from .transport import Address, UnixAddress, open_listener
+from .transport import Address, UnixAddress, open_listener, send_parts
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -95,7 +95,7 @@ class Session:
 
     async def send(self, message: Message) -> None:
         async with self._send_lock:
-            await self.stream.send_all(self.conn.send(message))
+            await send_parts(self.stream, self.conn.send_parts(message))
 
     def send_credit(self, request_id: int) -> int:
         return self.conn.send_credit(request_id)

@@ -141,6 +141,35 @@ def _parse_address(text: str) -> Address:
     raise AddressError(f"unknown transport {scheme!r} in {text!r}")
 
 
+# ---- writing ---------------------------------------------------------------------------
+
+
+async def send_parts(
+    stream: trio.abc.Stream, parts: list[bytes | bytearray | memoryview]
+) -> None:
+    """Write ``parts`` in order, gathered into as few system calls as the socket allows."""
+    if len(parts) == 1 or not isinstance(stream, trio.SocketStream):
+        for part in parts:
+            await stream.send_all(part)
+        return
+    sock = stream.socket
+    views = [memoryview(part).cast("B") for part in parts]
+    try:
+        while views:
+            sent = await sock.sendmsg(views)
+            while sent:
+                first = len(views[0])
+                if sent >= first:
+                    sent -= first
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+    except OSError as exc:
+        # What SocketStream.send_all would raise, so callers handle one kind of failure.
+        raise trio.BrokenResourceError(f"socket send failed: {exc!r}") from exc
+
+
 # ---- dialing ---------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from ._framing import FrameDecoder, encode_frame
+from ._framing import FrameDecoder, encode_data_frame, encode_frame
 from ._messages import (
     MAX_CREDIT,
     MESSAGE_TYPES,
@@ -138,6 +138,21 @@ class Connection:
             raise LocalProtocolError(f"a {self.role.value} may not send {message.TYPE!r} frames")
         # Encode before touching any state: a frame that cannot be sent must change nothing.
         frame = encode_frame(message.to_wire())
+        self._record_sent(message)
+        return frame
+
+    def send_parts(self, message: Message) -> list[bytes | bytearray | memoryview]:
+        """As ``send``, but a data frame's payload comes back as its own, uncopied part."""
+        if not isinstance(message, Data):
+            return [self.send(message)]
+        if Data not in _SENDS[self.role]:
+            raise LocalProtocolError(f"a {self.role.value} may not send 'data' frames")
+        envelope, payload = encode_data_frame(message.id, message.stream, message.data)
+        self._record_sent(message)
+        return [envelope, payload]
+
+    def _record_sent(self, message: Message) -> None:
+        """Check ``message`` against the connection's state and update it."""
         if not self._sent_hello:
             refusing = isinstance(message, Error) and message.id is None
             if not isinstance(message, Hello) and not refusing:
@@ -164,7 +179,6 @@ class Connection:
                 state.receive_window = min(state.receive_window + message.bytes, MAX_CREDIT)
         elif isinstance(message, (Result, Error)) and message.id is not None:
             self._streams.pop(message.id, None)
-        return frame
 
     # ---- state -----------------------------------------------------------------------
 

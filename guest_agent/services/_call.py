@@ -56,7 +56,9 @@ class Call:
                 await self._credit_changed.wait()
                 credit = self._transport.send_credit(self.id)
             size = min(credit, MAX_CHUNK_SIZE, len(view))
-            await self._transport.send(Data(self.id, stream, bytes(view[:size])))
+            # A whole bytes object goes out as it is; only a part of one is copied out.
+            chunk = data if size == len(data) and isinstance(data, bytes) else bytes(view[:size])
+            await self._transport.send(Data(self.id, stream, chunk))
             view = view[size:]
 
     async def wait_for_credit(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from guest_agent.protocol import (
     encode_frame,
 )
 from guest_agent.protocol._errors import ErrorCode
-from guest_agent.protocol._framing import MAX_ELEMENTS
+from guest_agent.protocol._framing import MAX_ELEMENTS, encode_data_frame
 
 ALLOCATION_BUDGET = 1 << 20
 
@@ -192,3 +193,13 @@ def test_too_many_elements_refused_before_decoding() -> None:
         decode_payload(payload)
     fine = b"\x81\xa1a\xdd" + (1000).to_bytes(4, "big") + b"\x00" * 1000
     assert decode_payload(fine) == {"a": [0] * 1000}
+
+
+@pytest.mark.parametrize("size", [0, 1, 255, 256, 65535, 65536, 256 << 10])
+def test_data_frame_parts_are_the_same_bytes(size: int) -> None:
+    data = os.urandom(size)
+    envelope, payload = encode_data_frame(3, "stdout", data)
+    assert payload is data  # the payload is not copied
+    assert envelope + payload == encode_frame(
+        {"type": "data", "id": 3, "stream": "stdout", "data": data}
+    )
