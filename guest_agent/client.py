@@ -69,11 +69,15 @@ class ConnectTimeout(TimeoutError):
 class CallStream:
     """A call in progress: receive its data and events, send it data, cancel it."""
 
-    def __init__(self, client: Client, request_id: int, method: str) -> None:
+    def __init__(self, client: Client, request_id: int, method: str, window: int = 0) -> None:
         self.client = client
         self.id = request_id
         self.method = method
         self.result: dict[str, Any] | None = None
+        # Credit goes back in batches of a quarter window: a quarter of the frames a
+        # per-chunk grant would cost, and the agent never runs dry of credit meanwhile.
+        self._credit_batch = max(window // 4, 1)
+        self._consumed = 0
         self._inbox: collections.deque[Message | BaseException] = collections.deque()
         self._changed = trio.Event()
         self._credit_changed = trio.Event()
@@ -100,11 +104,14 @@ class CallStream:
     async def receive(self) -> Data | Event | Eof | Result:
         """The next frame of this call; a final Error is raised as an AgentError.
 
-        Receiving a Data frame gives its bytes back to the agent as credit.
+        Receiving Data frames gives their bytes back to the agent as credit.
         """
         while not self._inbox:
             if self._done:
                 raise RuntimeError("the call has already ended")
+            if self._consumed:
+                await self._return_credit()  # caught up: give back everything consumed
+                continue
             await self._changed.wait()
         item = self._inbox.popleft()
         if isinstance(item, BaseException):
@@ -117,9 +124,16 @@ class CallStream:
             self._done = True
             self.result = item.result
         elif isinstance(item, Data) and item.data:
-            await self.client._send(Credit(self.id, len(item.data)))
+            self._consumed += len(item.data)
+            if self._consumed >= self._credit_batch:
+                await self._return_credit()
         assert isinstance(item, (Data, Event, Eof, Result))
         return item
+
+    async def _return_credit(self) -> None:
+        consumed, self._consumed = self._consumed, 0
+        if self.client._conn.is_open(self.id):
+            await self.client._send(Credit(self.id, consumed))
 
     def __aiter__(self) -> AsyncIterator[Data | Event | Eof]:
         return self._iterate()
@@ -402,7 +416,7 @@ class Client:
     ) -> AsyncIterator[CallStream]:
         """Start a streaming call; leaving the block early cancels it on the agent."""
         request_id = next(self._ids)
-        call = CallStream(self, request_id, method)
+        call = CallStream(self, request_id, method, window)
         self._calls[request_id] = call
         try:
             await self._send(Request(request_id, method, params or {}, window))

@@ -70,7 +70,7 @@ _SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
 _CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
-def check_structure(payload: bytes) -> None:
+def check_structure(payload: bytes | memoryview) -> None:
     """Walk the msgpack headers, refusing what would make the decoder over-allocate.
 
     msgpack preallocates a list for every array header before reading its elements, so
@@ -125,7 +125,7 @@ def check_structure(payload: bytes) -> None:
                 raise RemoteProtocolError(f"msgpack nesting deeper than {MAX_DEPTH}")
 
 
-def decode_payload(payload: bytes) -> dict[str, Any]:
+def decode_payload(payload: bytes | memoryview) -> dict[str, Any]:
     """Unpack one frame's payload with every msgpack limit bound to its actual size."""
     size = len(payload)
     check_structure(payload)
@@ -163,10 +163,16 @@ class FrameDecoder:
         """Add received bytes; return the maps of every frame now complete."""
         if self._error is not None:
             raise self._error
-        self._buffer += data
+        # Frames wholly inside ``data`` are decoded from it in place; only an incomplete
+        # frame's bytes are copied into the buffer.
+        if self._buffer:
+            self._buffer += data
+            source: bytes | bytearray = self._buffer
+        else:
+            source = data
         maps: list[dict[str, Any]] = []
-        view = memoryview(self._buffer)
         offset = 0
+        view = memoryview(source)
         try:
             while len(view) - offset >= HEADER_SIZE:
                 size = int.from_bytes(view[offset : offset + HEADER_SIZE], "big")
@@ -178,14 +184,18 @@ class FrameDecoder:
                 end = offset + HEADER_SIZE + size
                 if len(view) < end:
                     break
-                maps.append(decode_payload(bytes(view[offset + HEADER_SIZE : end])))
+                with view[offset + HEADER_SIZE : end] as payload:
+                    maps.append(decode_payload(payload))
                 offset = end
+            if source is not self._buffer:
+                self._buffer += view[offset:]
         except RemoteProtocolError as exc:
             self._error = exc
             raise
         finally:
             view.release()
-        del self._buffer[:offset]
+        if source is self._buffer:
+            del self._buffer[:offset]
         assert len(self._buffer) <= _MAX_BUFFERED
         return maps
 
