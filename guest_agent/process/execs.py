@@ -24,6 +24,7 @@ from ..signals import signal_name
 from .cgroup import CgroupManager, ExecCgroup
 from .output import OutputBuffer
 from .spawn import Spawned, SpawnSpec, set_window_size, spawn
+from .tree import signal_tree
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class Exec:
         self.exited = trio.Event()  # the main process has been reaped
         self.killing = False
         self.kill_done = trio.Event()
+        self.swept_pids: dict[int, int] = {}  # without a cgroup: the tree as last seen
 
     @property
     def pid(self) -> int:
@@ -241,9 +243,11 @@ class Exec:
             return
         if self.cgroup is not None:
             self.cgroup.signal_all(signum)
-        # The process group too: without cgroups it is all we have, and it is cheap.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.spawned.pid, signum)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.spawned.pid, signum)
+        else:
+            # Process group, session and descendants, plus what earlier sweeps found.
+            signal_tree(self.spawned.pid, signum, self.swept_pids)
 
 
 class ExecManager:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from guest_agent.client import Client
+from guest_agent.client import Client, SyncClient
 from guest_agent.protocol import InvalidParams, NotFound, RemoteOSError
 
 from .proctools import alive, wait_until_dead
@@ -342,12 +342,16 @@ async def test_without_cgroups_the_process_group_is_killed(start_agent, short_tm
     pids = short_tmp / "pids"
     async with Client.connect(agent) as client:
         result = await client.exec(
-            command=f"sh -c 'echo $$ >> {pids}; exec sleep 300' & echo $$ >> {pids}; sleep 300",
+            command=f"sh -c 'echo $$ >> {pids}; exec sleep 300' & "
+            f"setsid sh -c 'echo $$ >> {pids}; exec sleep 300' & "
+            f"echo $$ >> {pids}; sleep 300",
             timeout=0.5,
             kill_grace=0.2,
         )
     assert result.timed_out
-    assert wait_until_dead([int(p) for p in pids.read_text().split()])
+    recorded = [int(p) for p in pids.read_text().split()]
+    assert len(recorded) == 3
+    assert wait_until_dead(recorded)
 
 
 async def test_real_time_signals_are_named(agent: str) -> None:
@@ -390,3 +394,15 @@ async def test_bad_attach_offsets_and_resize_without_terminal(agent: str) -> Non
                 pass
         with pytest.raises(InvalidParams, match="no terminal"):
             await client.call("exec.resize", {"exec_id": exec_id, "rows": 10, "cols": 10})
+
+
+def test_blocking_client_exec(agent_process) -> None:  # type: ignore[no-untyped-def]
+    proc = agent_process()
+    with SyncClient(proc.address) as client:
+        result = client.exec(["sh", "-c", "cat; echo err >&2; exit 4"], input=b"in")
+        assert (result.exit_code, result.stdout, result.stderr) == (4, b"in", b"err\n")
+        exec_id = client.start_detached(["sleep", "30"])
+        assert any(e["exec_id"] == exec_id for e in client.exec_list())
+        client.exec_signal(exec_id, "TERM")
+        assert client.exec_wait(exec_id, timeout=20)["signal"] == "SIGTERM"
+        assert client.exec_kill(client.start_detached(["sleep", "30"]), grace=0.1)["signal"]
