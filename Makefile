@@ -34,5 +34,13 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy --strict guest_agent
 
+# The benchmark harness (bench/run.py; docs/benchmarks.md): installs the peers it needs,
+# writes bench/results/latest.{md,json}. Extra options: make bench BENCH_ARGS="--placement split".
+bench: $(STAMP)
+	$(PY) -m bench.run $(BENCH_ARGS)
+
+bench-quick: $(STAMP)
+	$(PY) -m bench.run --quick $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

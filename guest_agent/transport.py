@@ -144,9 +144,7 @@ def _parse_address(text: str) -> Address:
 # ---- writing ---------------------------------------------------------------------------
 
 
-async def send_parts(
-    stream: trio.abc.Stream, parts: list[bytes | bytearray | memoryview]
-) -> None:
+async def send_parts(stream: trio.abc.Stream, parts: list[bytes | bytearray | memoryview]) -> None:
     """Write ``parts`` in order, gathered into as few system calls as the socket allows."""
     if len(parts) == 1 or not isinstance(stream, trio.SocketStream):
         for part in parts:

@@ -1,0 +1,1 @@
+"""Benchmarks of the agent against the physical floor and its peers (``make bench``)."""
