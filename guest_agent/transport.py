@@ -145,16 +145,22 @@ def _parse_address(text: str) -> Address:
 
 
 async def send_parts(stream: trio.abc.Stream, parts: list[bytes | bytearray | memoryview]) -> None:
-    """Write ``parts`` in order, gathered into as few system calls as the socket allows."""
-    if len(parts) == 1 or not isinstance(stream, trio.SocketStream):
-        for part in parts:
-            await stream.send_all(part)
-        return
-    sock = stream.socket
-    views = [memoryview(part).cast("B") for part in parts]
+    """Write one frame's ``parts`` in order, gathered into as few system calls as possible.
+
+    A frame is written whole or the stream is closed: cut short by a cancellation, it would
+    garble every frame after it on the connection.
+    """
+    written = 0
     try:
+        if not isinstance(stream, trio.SocketStream):
+            for part in parts:
+                await stream.send_all(part)
+                written += len(part)
+            return
+        views = [memoryview(part).cast("B") for part in parts]
         while views:
-            sent = await sock.sendmsg(views)
+            sent = await stream.socket.sendmsg(views)
+            written += sent
             while sent:
                 first = len(views[0])
                 if sent >= first:
@@ -163,9 +169,23 @@ async def send_parts(stream: trio.abc.Stream, parts: list[bytes | bytearray | me
                 else:
                     views[0] = views[0][sent:]
                     sent = 0
+    except trio.Cancelled:
+        # A socket says how much went out; for other streams a cancelled send_all may have
+        # written part of its buffer, so any cancellation there ends the connection.
+        if written or not isinstance(stream, trio.SocketStream):
+            abort_stream(stream)
+        raise
     except OSError as exc:
         # What SocketStream.send_all would raise, so callers handle one kind of failure.
         raise trio.BrokenResourceError(f"socket send failed: {exc!r}") from exc
+
+
+def abort_stream(stream: trio.abc.Stream) -> None:
+    """Close ``stream`` at once, without a checkpoint; a task reading it gets an error."""
+    if isinstance(stream, trio.SocketStream):
+        stream.socket.close()
+    elif isinstance(stream, (trio.lowlevel.FdStream, _SerialStream)):
+        stream.close()
 
 
 # ---- dialing ---------------------------------------------------------------------------
@@ -366,3 +386,7 @@ class _SerialStream(trio.abc.Stream):
             await self._inner.aclose()
         finally:
             self.closed.set()
+
+    def close(self) -> None:
+        self._inner.close()
+        self.closed.set()

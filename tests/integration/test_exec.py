@@ -12,8 +12,19 @@ import pytest
 import trio
 
 from guest_agent.client import Client, SyncClient
-from guest_agent.protocol import InvalidParams, NotFound, RemoteOSError
+from guest_agent.protocol import (
+    Cancel,
+    Data,
+    Error,
+    Event,
+    InvalidParams,
+    NotFound,
+    RemoteOSError,
+    Request,
+    Result,
+)
 
+from ..rawclient import RawClient
 from .proctools import alive, wait_until_dead
 
 
@@ -406,3 +417,28 @@ def test_blocking_client_exec(agent_process) -> None:  # type: ignore[no-untyped
         client.exec_signal(exec_id, "TERM")
         assert client.exec_wait(exec_id, timeout=20)["signal"] == "SIGTERM"
         assert client.exec_kill(client.start_detached(["sleep", "30"]), grace=0.1)["signal"]
+
+
+async def test_cancel_mid_frame_closes_rather_than_garbles(agent: str) -> None:
+    """A frame cut short by a cancellation must end the connection, never garble it."""
+    raw = await RawClient.open(agent)
+    try:
+        await raw.hello()
+        await raw.send(
+            Request(1, "exec.start", {"argv": ["head", "-c", str(64 << 20), "/dev/zero"]}, 64 << 20)
+        )
+        await trio.sleep(0.5)  # the agent fills the socket and blocks, most likely mid-frame
+        await raw.send(Cancel(1))
+        await trio.sleep(0.2)
+        # Every byte that arrives decodes into whole frames up to the final frame or the
+        # end of the stream; a garbled stream raises RemoteProtocolError here.
+        messages: list[object] = []
+        with trio.fail_after(30):
+            while not messages or not isinstance(messages[-1], (Result, Error)):
+                try:
+                    messages.append(await raw.receive())
+                except EOFError:
+                    break
+    finally:
+        await raw.aclose()
+    assert all(isinstance(m, (Event, Data, Result, Error)) for m in messages)
