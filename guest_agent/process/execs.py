@@ -15,7 +15,7 @@ import secrets
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -41,10 +41,21 @@ class ExecLimits:
     pids_max: int | None = None
 
 
+class OutputSink(Protocol):
+    """Where an attachment's output goes (the exec service's call): credit, then frames."""
+
+    def reserve_credit(self, nbytes: int) -> int:
+        """Set aside up to ``nbytes`` of the client's credit now; returns how many."""
+
+    async def send_reserved(self, stream: str, data: bytes) -> None:
+        """Send ``data`` (already reserved) as the next bytes of ``stream``."""
+
+
 @dataclass
 class Attachment:
     """One client stream attached to an exec's output."""
 
+    sink: OutputSink
     sent: dict[str, int]
     acked: dict[str, int]
     lost: dict[str, int]
@@ -52,6 +63,13 @@ class Attachment:
     unacked: collections.deque[tuple[str, int]] = field(default_factory=collections.deque)
     detach_requested: bool = False
     superseded: bool = False
+    # Sends in progress; cancelled when the attachment ends, so that a pump blocked on a
+    # dead connection (half-open after a snapshot restore, say) lets go at once.
+    sends: set[trio.CancelScope] = field(default_factory=set)
+
+    def end_sends(self) -> None:
+        for scope in self.sends:
+            scope.cancel()
 
 
 class Exec:
@@ -96,6 +114,9 @@ class Exec:
         self.stdin_lock = trio.Lock()
         self.stdin_closed = False
         self._changed = trio.Event()
+        self._room = trio.Event()
+        self.output_progress = 0  # chunks read so far: the drain's sign of life
+        self.pumps_sending = 0
         self.exited = trio.Event()  # the main process has been reaped
         self.killing = False
         self.kill_done = trio.Event()
@@ -106,12 +127,20 @@ class Exec:
         return self.spawned.pid if self.spawned else 0
 
     def notify(self) -> None:
-        """Wake everyone waiting on this exec (streamers, pumps, drain)."""
+        """Wake the streamer and the drain: output, credit, the end or a detach happened."""
         self._changed.set()
         self._changed = trio.Event()
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
+
+    def _room_changed(self) -> None:
+        """Wake pumps waiting for buffer room (acknowledged output, or lossy mode)."""
+        self._room.set()
+        self._room = trio.Event()
+
+    async def wait_room(self) -> None:
+        await self._room.wait()
 
     def state(self) -> str:
         if self.ended.is_set():
@@ -149,27 +178,57 @@ class Exec:
 
     # ---- attachments (driven by the exec service) -------------------------------------
 
-    def attach(self, offsets: dict[str, int]) -> Attachment:
+    def attach(self, offsets: dict[str, int], sink: OutputSink) -> Attachment:
         """Attach a stream from ``offsets``; supersedes any current attachment."""
         if self.attachment is not None:
             self.attachment.superseded = True
+            self.attachment.end_sends()
         sent: dict[str, int] = {}
         lost: dict[str, int] = {}
         for name, buf in self.buffers.items():
             offset = min(max(int(offsets.get(name, 0)), 0), buf.end)
             lost[name] = max(buf.start - offset, 0)
             sent[name] = max(offset, buf.start)
-        self.attachment = Attachment(sent=sent, acked=dict(sent), lost=lost)
+        self.attachment = Attachment(sink, sent=sent, acked=dict(sent), lost=lost)
         self.abandon_generation += 1  # cancels a pending abandonment kill
         self.lossless = True
         for name, buf in self.buffers.items():
             buf.floor = max(buf.floor, min(sent[name], buf.end))
         self.notify()
+        self._room_changed()
         return self.attachment
 
-    def record_sent(self, attachment: Attachment, name: str, nbytes: int) -> None:
-        attachment.sent[name] += nbytes
-        attachment.unacked.append((name, nbytes))
+    def take_for_sending(self, att: Attachment, name: str, max_bytes: int) -> bytes:
+        """The next bytes of ``name`` for ``att``, with credit reserved for them (or b"").
+
+        Taking and recording happen with no checkpoint in between, and sends are queued in
+        the order taken, so whichever task sends (pump or streamer), frames stay in order.
+        """
+        buffer = self.buffers[name]
+        if att.sent[name] < buffer.start:  # the ring overwrote it while detached
+            att.lost[name] += buffer.start - att.sent[name]
+            att.sent[name] = buffer.start
+        chunk = buffer.read(att.sent[name], max_bytes)
+        if not chunk:
+            return b""
+        granted = att.sink.reserve_credit(len(chunk))
+        if granted < len(chunk):
+            chunk = chunk[:granted]  # a window smaller than a chunk: send what it allows
+        if chunk:
+            att.sent[name] += len(chunk)
+            att.unacked.append((name, len(chunk)))
+        return chunk
+
+    async def send_taken(self, att: Attachment, name: str, chunk: bytes) -> None:
+        """Send what take_for_sending gave; a dead connection only ends this attachment."""
+        with trio.CancelScope() as scope:
+            att.sends.add(scope)
+            try:
+                await att.sink.send_reserved(name, chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client is gone; a reattach replays from what it received
+            finally:
+                att.sends.discard(scope)
 
     def acknowledge(self, attachment: Attachment, nbytes: int) -> None:
         """The client returned ``nbytes`` of credit: it consumed that much, in send order."""
@@ -185,18 +244,25 @@ class Exec:
             if attachment is self.attachment:
                 self.buffers[name].acknowledge(attachment.acked[name], self.lossless)
         self.notify()
+        self._room_changed()
 
     def detach(self) -> None:
         """Stop the current stream; the exec runs on its own, its output into the ring."""
         if self.attachment is not None:
             self.attachment.detach_requested = True
         self.detached = True
-        self.lossless = False
         self.abandon_generation += 1  # a detach during the reattach grace saves the exec
+        self.go_lossy()
+
+    def go_lossy(self) -> None:
+        """Output goes to the ring from now on, the oldest bytes making way."""
+        self.lossless = False
         self.notify()
+        self._room_changed()
 
     def release(self, attachment: Attachment) -> bool:
         """An attachment ended; True if it was the current one (its stream is abandoned)."""
+        attachment.end_sends()
         if self.attachment is not attachment:
             return False
         self.attachment = None
@@ -380,14 +446,28 @@ class ExecManager:
         try:
             while True:
                 while not buffer.has_room(exec_.lossless):
-                    await exec_.wait_changed()
+                    await exec_.wait_room()
                 try:
                     data = await stream.receive_some(MAX_CHUNK_SIZE)
                 except (trio.BrokenResourceError, OSError):
                     data = b""  # EIO: the PTY's last holder closed it
                 if not data:
                     break
-                buffer.append(bytes(data), exec_.lossless)
+                buffer.append(data, exec_.lossless)
+                exec_.output_progress += 1
+                att = exec_.attachment
+                if att is not None and att.sent[name] == buffer.end - len(data):
+                    # The client is caught up: send the chunk from here, without waking
+                    # the streamer (one task switch per chunk instead of three).
+                    chunk = exec_.take_for_sending(att, name, len(data))
+                    if chunk:
+                        exec_.pumps_sending += 1
+                        try:
+                            await exec_.send_taken(att, name, chunk)
+                        finally:
+                            exec_.pumps_sending -= 1
+                    if att.sent[name] == buffer.end:
+                        continue
                 exec_.notify()
         finally:
             buffer.eof = True
@@ -398,12 +478,17 @@ class ExecManager:
     async def _drain(self, exec_: Exec) -> None:
         """Collect output after the main exit until EOF or DRAIN_IDLE of silence."""
         while not all(buf.eof for buf in exec_.buffers.values()):
+            progress = exec_.output_progress
             with trio.move_on_after(DRAIN_IDLE) as idle:
                 await exec_.wait_changed()
-            if idle.cancelled_caught and all(
-                buf.eof or buf.has_room(exec_.lossless) for buf in exec_.buffers.values()
+            quiet = idle.cancelled_caught and exec_.output_progress == progress
+            # Not quiet if a pump is mid-send or a slow client holds the pipe back.
+            if (
+                quiet
+                and not exec_.pumps_sending
+                and all(buf.eof or buf.has_room(exec_.lossless) for buf in exec_.buffers.values())
             ):
-                return  # quiet, and not because a slow client holds the pipe back
+                return
 
     async def _finish(self, exec_: Exec) -> None:
         """Shielded: make sure the main process is gone and reaped, then record the end."""
@@ -495,8 +580,7 @@ class ExecManager:
         if exec_.ended.is_set():
             return
         if exec_.detached:
-            exec_.lossless = False
-            exec_.notify()
+            exec_.go_lossy()
             return
         exec_.abandon_generation += 1
         self.nursery.start_soon(self._abandon_timer, exec_, exec_.abandon_generation)
@@ -507,8 +591,7 @@ class ExecManager:
         if exec_.ended.is_set() or exec_.abandon_generation != generation:
             return
         log.info("event=exec_abandoned exec=%s grace=%s", exec_.id, self.reattach_grace)
-        exec_.lossless = False  # nobody is coming back for the output
-        exec_.notify()
+        exec_.go_lossy()  # nobody is coming back for the output
         await self.terminate(exec_, "abandoned")
 
     async def shutdown(self) -> None:

@@ -44,6 +44,7 @@ class Call:
         self.credit_returned = 0
         # Called with each credit grant (exec uses it to wake its streamer and track acks).
         self.credit_callback: Callable[[int], None] | None = None
+        self._reserved = 0  # credit set aside for sends in progress (send_reserved)
 
     # ---- agent to client -------------------------------------------------------------
 
@@ -63,13 +64,31 @@ class Call:
 
     async def wait_for_credit(self) -> int:
         """Wait until the client allows at least one more byte; return how many."""
-        while (credit := self._transport.send_credit(self.id)) == 0:
+        while (credit := self.available_credit()) == 0:
             await self._credit_changed.wait()
         return credit
 
     def available_credit(self) -> int:
-        """Bytes the client allows now."""
-        return self._transport.send_credit(self.id)
+        """Bytes the client allows now, less what is reserved for sends in progress."""
+        return max(self._transport.send_credit(self.id) - self._reserved, 0)
+
+    def reserve_credit(self, nbytes: int) -> int:
+        """Set aside up to ``nbytes`` of the client's credit for send_reserved; how many."""
+        granted = max(min(nbytes, self._transport.send_credit(self.id) - self._reserved), 0)
+        self._reserved += granted
+        return granted
+
+    async def send_reserved(self, stream: str, data: bytes) -> None:
+        """Send bytes whose credit reserve_credit set aside: never waits for credit.
+
+        Several tasks may send on one call this way (an exec's pumps and its streamer):
+        as none of them waits for credit halfway through, their frames keep the order in
+        which they reserved.
+        """
+        try:
+            await self._transport.send(Data(self.id, stream, data))
+        finally:
+            self._reserved -= len(data)
 
     async def send_event(self, event: str, body: dict[str, Any]) -> None:
         """Send a stream event (not flow-controlled: keep them small and few)."""

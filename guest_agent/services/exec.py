@@ -196,7 +196,7 @@ class ExecService:
     async def _stream(
         self, call: Call, exec_: Exec, offsets: dict[str, int], announce: bool = False
     ) -> dict[str, Any]:
-        attachment = exec_.attach(offsets)
+        attachment = exec_.attach(offsets, call)
         call.credit_callback = lambda nbytes: exec_.acknowledge(attachment, nbytes)
         finished = False
         try:
@@ -213,7 +213,7 @@ class ExecService:
             async with trio.open_nursery() as nursery:
                 if exec_.stdin is not None:
                     nursery.start_soon(self._forward_stdin, call, exec_)
-                result = await self._send_output(call, exec_, attachment)
+                result = await self._send_output(exec_, attachment)
                 nursery.cancel_scope.cancel()
             finished = True
             return result
@@ -224,20 +224,14 @@ class ExecService:
                 # Cancelled or disconnected without detaching: wait for a reattach, then kill.
                 self.manager.abandon(exec_)
 
-    async def _send_output(self, call: Call, exec_: Exec, att: Attachment) -> dict[str, Any]:
+    async def _send_output(self, exec_: Exec, att: Attachment) -> dict[str, Any]:
+        """Replay and backlog; the pumps send live output themselves while caught up."""
         while True:
             progressed = False
             for name in exec_.stream_names:
-                buffer = exec_.buffers[name]
-                if att.sent[name] < buffer.start:  # the ring overwrote it while detached
-                    att.lost[name] += buffer.start - att.sent[name]
-                    att.sent[name] = buffer.start
-                credit = call.available_credit()
-                if att.sent[name] < buffer.end and credit:
-                    chunk = buffer.read(att.sent[name], min(credit, MAX_CHUNK_SIZE))
-                    # Recorded before sending: the client may return credit for it at once.
-                    exec_.record_sent(att, name, len(chunk))
-                    await call.send_data(name, chunk)
+                chunk = exec_.take_for_sending(att, name, MAX_CHUNK_SIZE)
+                if chunk:
+                    await exec_.send_taken(att, name, chunk)
                     progressed = True
             if att.superseded or att.detach_requested:
                 return {
