@@ -475,19 +475,20 @@ class Client:
     ) -> ExecResult:
         """Run a command to its end and collect its output (``input`` goes to its stdin)."""
         chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": [], "pty": []}
-        async with (
-            self.open_exec(argv, stdin=input is not None, **options) as ex,
-            trio.open_nursery() as nursery,
-        ):
-            if input is not None:
+        async with self.open_exec(argv, stdin=input is not None, **options) as ex:
+            if input is None:
+                async for name, data in ex:
+                    chunks[name].append(data)
+            else:
 
                 async def feed() -> None:
                     await ex.write(input)
                     await ex.close_stdin()
 
-                nursery.start_soon(feed)
-            async for name, data in ex:
-                chunks.setdefault(name, []).append(data)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(feed)
+                    async for name, data in ex:
+                        chunks[name].append(data)
         assert ex.result is not None
         stdout = b"".join(chunks["stdout"] or chunks["pty"])
         return ExecResult(ex.result, stdout, b"".join(chunks["stderr"]))

@@ -334,7 +334,9 @@ class ExecManager:
         self.finished_retention = finished_retention
         self.max_finished = max_finished
         self.execs: dict[str, Exec] = {}
-        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Finished execs in end order, with when to forget each.
+        self._finished: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._forgetting = False
         self._leftover_cgroups: list[ExecCgroup] = []
 
     def get(self, exec_id: str) -> Exec:
@@ -434,6 +436,8 @@ class ExecManager:
             exec_.exit_code = info.si_status
         else:
             exec_.signal = info.si_status
+        # Popen must learn the status: dropped while it thinks the child runs, it would
+        # queue the pid for subprocess's own waitpid() and steal a later exit status.
         spawned.popen.returncode = exec_.exit_code if exec_.signal is None else -exec_.signal
         exec_.main_exited = True
         exec_.exited.set()
@@ -514,7 +518,9 @@ class ExecManager:
         exec_.notify()
         # Let the streams send their end frames before the bookkeeping below.
         await trio.lowlevel.checkpoint()
-        log.info(
+        # Execs the agent had to kill are worth a line at info; the rest cost 0.1 ms each.
+        log.log(
+            logging.INFO if exec_.killed_by_agent else logging.DEBUG,
             "event=exec_ended exec=%s argv0=%r user=%s pid=%d exit_code=%s signal=%s "
             "timed_out=%s killed=%s seconds=%.3f",
             exec_.id,
@@ -533,18 +539,27 @@ class ExecManager:
         self._remember_finished(exec_)
 
     def _remember_finished(self, exec_: Exec) -> None:
-        self._finished[exec_.id] = None
+        """Keep the end status for ``finished_retention`` (and at most ``max_finished``)."""
+        self._finished[exec_.id] = trio.current_time() + self.finished_retention
         while len(self._finished) > self.max_finished:
             oldest, _ = self._finished.popitem(last=False)
             self.execs.pop(oldest, None)
-        if not self.nursery.cancel_scope.cancel_called:
-            self.nursery.start_soon(self._forget_later, exec_)
+        if not self._forgetting and not self.nursery.cancel_scope.cancel_called:
+            self._forgetting = True
+            self.nursery.start_soon(self._forget_loop)
 
-    async def _forget_later(self, exec_: Exec) -> None:
-        await trio.sleep(self.finished_retention)
-        if self._finished.pop(exec_.id, "gone") is None:
-            self.execs.pop(exec_.id, None)
-        self._leftover_cgroups = [cg for cg in self._leftover_cgroups if not cg.remove()]
+    async def _forget_loop(self) -> None:
+        """One task forgets finished execs in end order (not a sleeping task per exec)."""
+        try:
+            while self._finished:
+                exec_id, deadline = next(iter(self._finished.items()))
+                await trio.sleep_until(deadline)
+                if self._finished.get(exec_id) == deadline:
+                    del self._finished[exec_id]
+                    self.execs.pop(exec_id, None)
+                self._leftover_cgroups = [cg for cg in self._leftover_cgroups if not cg.remove()]
+        finally:
+            self._forgetting = False
 
     # ---- killing -------------------------------------------------------------------
 

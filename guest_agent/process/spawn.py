@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import struct
@@ -18,7 +19,7 @@ import termios
 from dataclasses import dataclass, field
 
 from ..users import Credentials
-from .cgroup import CgroupManager, ExecCgroup
+from .cgroup import CgroupManager, ExecCgroup, write_control
 
 # Bigger pipes mean fewer wake-ups per MiB streamed (the kernel default is 64 KiB).
 PIPE_SIZE = 1 << 20
@@ -56,6 +57,12 @@ class Spawned:
 def set_window_size(fd: int, rows: int, cols: int) -> None:
     """TIOCSWINSZ on a terminal; the kernel sends SIGWINCH to its foreground group."""
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+@functools.cache
+def _devnull() -> int:
+    """/dev/null for stdin, opened once (Popen's DEVNULL opens and closes it every spawn)."""
+    return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
 
 def _pipe() -> tuple[int, int]:
@@ -102,7 +109,7 @@ def spawn(spec: SpawnSpec, cgroups: CgroupManager | None, cgroup: ExecCgroup | N
                 child_fds.append(stdin_read)
                 stdin = stdin_read
             else:
-                stdin = subprocess.DEVNULL
+                stdin = _devnull()
             out_read, stdout = _pipe()
             err_read, stderr = _pipe()
             parent_fds += [out_read, err_read]
@@ -134,8 +141,7 @@ def spawn(spec: SpawnSpec, cgroups: CgroupManager | None, cgroup: ExecCgroup | N
     notes: list[str] = []
     # The agent protects itself from the OOM killer; its children must not inherit that.
     try:
-        with open(f"/proc/{popen.pid}/oom_score_adj", "w") as f:
-            f.write("0")
+        write_control(f"/proc/{popen.pid}/oom_score_adj", "0")
     except OSError as exc:
         notes.append(f"oom_score_adj not reset: {exc.strerror}")
     spawned = Spawned(popen.pid, os.pidfd_open(popen.pid), popen, notes=notes)
