@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -21,6 +22,7 @@ import trio
 
 from ..protocol import MAX_CHUNK_SIZE, NotFound
 from ..signals import signal_name
+from ..wakeup import Wakeup
 from .cgroup import CgroupManager, ExecCgroup
 from .output import OutputBuffer
 from .spawn import Spawned, SpawnSpec, set_window_size, spawn
@@ -51,7 +53,7 @@ class OutputSink(Protocol):
         """Send ``data`` (already reserved) as the next bytes of ``stream``."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Attachment:
     """One client stream attached to an exec's output."""
 
@@ -59,8 +61,9 @@ class Attachment:
     sent: dict[str, int]
     acked: dict[str, int]
     lost: dict[str, int]
-    # (stream, bytes) of every data frame sent and not yet acknowledged by returned credit.
-    unacked: collections.deque[tuple[str, int]] = field(default_factory=collections.deque)
+    # (stream, bytes) of every data frame sent and not yet acknowledged by returned credit:
+    # a window's worth of frames at most, so a list (a deque costs 600 bytes empty).
+    unacked: list[tuple[str, int]] = field(default_factory=list)
     detach_requested: bool = False
     superseded: bool = False
     # Sends in progress; cancelled when the attachment ends, so that a pump blocked on a
@@ -74,6 +77,44 @@ class Attachment:
 
 class Exec:
     """One command: its process, output buffers, state and end status."""
+
+    # Slots: an exec costs memory in every VM for as long as it runs.
+    __slots__ = (
+        "_changed",
+        "_room",
+        "abandon_generation",
+        "attachment",
+        "buffers",
+        "cgroup",
+        "detached",
+        "ended",
+        "ended_mono",
+        "exit_code",
+        "exited",
+        "id",
+        "kill_done",
+        "kill_grace",
+        "kill_reason",
+        "killed_by_agent",
+        "killing",
+        "lossless",
+        "main_exited",
+        "output_progress",
+        "pumps_sending",
+        "signal",
+        "spawned",
+        "spec",
+        "started_at",
+        "started_mono",
+        "stdin",
+        "stdin_closed",
+        "stdin_lock",
+        "stream_names",
+        "swept_pids",
+        "timed_out",
+        "timeout",
+        "user",
+    )
 
     def __init__(
         self,
@@ -111,15 +152,14 @@ class Exec:
         self.attachment: Attachment | None = None
         self.abandon_generation = 0
         self.stdin: trio.lowlevel.FdStream | None = None
-        self.stdin_lock = trio.Lock()
+        self.stdin_lock = trio.Lock() if spec.stdin or spec.pty_size else None
         self.stdin_closed = False
-        self._changed = trio.Event()
-        self._room = trio.Event()
+        self._changed = Wakeup()
+        self._room = Wakeup()
         self.output_progress = 0  # chunks read so far: the drain's sign of life
         self.pumps_sending = 0
-        self.exited = trio.Event()  # the main process has been reaped
         self.killing = False
-        self.kill_done = trio.Event()
+        self.kill_done = Wakeup()
         self.swept_pids: dict[int, int] = {}  # without a cgroup: the tree as last seen
 
     @property
@@ -128,16 +168,14 @@ class Exec:
 
     def notify(self) -> None:
         """Wake the streamer and the drain: output, credit, the end or a detach happened."""
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changed.notify()
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
 
     def _room_changed(self) -> None:
         """Wake pumps waiting for buffer room (acknowledged output, or lossy mode)."""
-        self._room.set()
-        self._room = trio.Event()
+        self._room.notify()
 
     async def wait_room(self) -> None:
         await self._room.wait()
@@ -238,7 +276,7 @@ class Exec:
             attachment.acked[name] += take
             nbytes -= take
             if take == size:
-                attachment.unacked.popleft()
+                del attachment.unacked[0]
             else:
                 attachment.unacked[0] = (name, size - take)
             if attachment is self.attachment:
@@ -270,6 +308,7 @@ class Exec:
 
     async def write_stdin(self, data: bytes | bytearray) -> None:
         """Write to the command's stdin; dropped once it has closed it (as a pipe would)."""
+        assert self.stdin_lock is not None
         async with self.stdin_lock:
             if self.stdin is None or self.stdin_closed:
                 return
@@ -283,6 +322,7 @@ class Exec:
         if self.spawned is not None and self.spawned.pty_fd is not None:
             await self.write_stdin(b"\x04")
             return
+        assert self.stdin_lock is not None
         async with self.stdin_lock:
             if self.stdin is not None and not self.stdin_closed:
                 self.stdin_closed = True
@@ -374,6 +414,8 @@ class ExecManager:
                 cgroup.remove()
             raise
         exec_.cgroup = cgroup
+        # The environment served its purpose; a long-running exec need not carry it.
+        exec_.spec = dataclasses.replace(spec, env={})
         if exec_.spawned.stdin_fd is not None:
             exec_.stdin = trio.lowlevel.FdStream(exec_.spawned.stdin_fd)
         elif exec_.spawned.pty_fd is not None:
@@ -410,7 +452,7 @@ class ExecManager:
                 await trio.lowlevel.wait_readable(spawned.pidfd)
                 self._reap(exec_)
                 await self._drain(exec_)
-                if exec_.killing:
+                while exec_.killing:
                     await exec_.kill_done.wait()  # the end frame comes after the tree is gone
                 tasks.cancel_scope.cancel()
         except Exception:
@@ -440,7 +482,6 @@ class ExecManager:
         # queue the pid for subprocess's own waitpid() and steal a later exit status.
         spawned.popen.returncode = exec_.exit_code if exec_.signal is None else -exec_.signal
         exec_.main_exited = True
-        exec_.exited.set()
         exec_.notify()
 
     async def _pump(self, exec_: Exec, name: str, fd: int) -> None:
@@ -565,22 +606,24 @@ class ExecManager:
 
     async def terminate(self, exec_: Exec, reason: str, grace: float | None = None) -> None:
         """SIGTERM the tree, wait the kill grace, then SIGKILL whatever is left."""
-        if exec_.killing or exec_.ended.is_set():
-            return
+        if exec_.killed_by_agent or exec_.ended.is_set():
+            return  # one kill sequence per exec
         exec_.killing = True
         exec_.killed_by_agent = True
         exec_.kill_reason = reason
         try:
             exec_.send_signal(signal.SIGTERM)
             with trio.move_on_after(exec_.kill_grace if grace is None else grace):
-                await exec_.exited.wait()
+                while not exec_.main_exited:
+                    await exec_.wait_changed()
                 if exec_.cgroup is not None:
                     # cgroup.events has no trio-friendly notification; poll during the grace.
                     while exec_.cgroup.populated():  # noqa: ASYNC110
                         await trio.sleep(0.02)
             exec_.send_signal(signal.SIGKILL)
         finally:
-            exec_.kill_done.set()
+            exec_.killing = False
+            exec_.kill_done.notify()
 
     def kill(self, exec_: Exec, reason: str, grace: float | None = None) -> None:
         """Start ``terminate`` where a cancelled caller cannot interrupt it halfway."""

@@ -14,9 +14,12 @@ class OutputBuffer:
     once more than ``capacity`` are held; ``start`` then tells readers what they lost.
     """
 
+    __slots__ = ("_chunks", "capacity", "end", "eof", "floor", "start")
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._chunks: collections.deque[bytes] = collections.deque()
+        # Made on the first append: most execs of a busy agent print nothing while they run.
+        self._chunks: collections.deque[bytes] | None = None
         self.start = 0
         self.end = 0
         self.floor = 0  # lossless mode: the lowest offset a client may still ask for
@@ -28,6 +31,8 @@ class OutputBuffer:
 
     def append(self, data: bytes, lossless: bool) -> None:
         """Add bytes read from the pipe, then forget what no one can need any more."""
+        if self._chunks is None:
+            self._chunks = collections.deque()
         self._chunks.append(data)
         self.end += len(data)
         self._trim(lossless)
@@ -53,7 +58,7 @@ class OutputBuffer:
         """Up to ``max_bytes`` from ``offset`` (clamped to ``start``); b"" when caught up."""
         offset = max(offset, self.start)
         position = self.start
-        for chunk in self._chunks:
+        for chunk in self._chunks or ():
             chunk_end = position + len(chunk)
             if offset < chunk_end:
                 skip = offset - position

@@ -210,11 +210,13 @@ class ExecService:
                         "lost": dict(attachment.lost),
                     },
                 )
-            async with trio.open_nursery() as nursery:
-                if exec_.stdin is not None:
-                    nursery.start_soon(self._forward_stdin, call, exec_)
+            if exec_.stdin is None:
                 result = await self._send_output(exec_, attachment)
-                nursery.cancel_scope.cancel()
+            else:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._forward_stdin, call, exec_)
+                    result = await self._send_output(exec_, attachment)
+                    nursery.cancel_scope.cancel()
             finished = True
             return result
         finally:
