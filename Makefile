@@ -16,6 +16,8 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,dev]'
+	@# Compiled once, as a VM image would ship it: every start skips compiling from source.
+	$(PY) -m compileall -q guest_agent
 	@touch $(STAMP)
 
 run: $(STAMP)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -115,6 +114,8 @@ def load_config(argv: Sequence[str] | None = None) -> Config:
     args = build_parser().parse_args(argv)
     settings: dict[str, Any] = {}
     if args.config:
+        import json  # only here: most VMs are configured by flags and the kernel cmdline
+
         try:
             loaded = json.loads(Path(args.config).read_text())
         except (OSError, ValueError) as exc:
