@@ -29,6 +29,10 @@ ADDRESS_FORMS = (
 )
 _HYBRID_REPLY_MAX = 64  # "OK 1073741824\n" fits many times over
 _SERIAL_RETRY_MAX = 1.0
+# Kernel send and receive buffers of a connected unix or vsock socket. The ~200 KiB default
+# holds less than one 256 KiB data frame, so a transfer stalls and switches tasks at every
+# frame; with a few MiB it moves in a few large reads. Capped by net.core.[wr]mem_max.
+SOCKET_BUFFER = 4 << 20
 
 
 class AddressError(ValueError):
@@ -188,13 +192,29 @@ def abort_stream(stream: trio.abc.Stream) -> None:
         stream.close()
 
 
+def enlarge_buffers(stream: trio.SocketStream) -> trio.SocketStream:
+    """Give a connected socket SOCKET_BUFFER-sized kernel buffers (best effort)."""
+    sock = stream.socket
+    options = [(socket.SOL_SOCKET, socket.SO_SNDBUF), (socket.SOL_SOCKET, socket.SO_RCVBUF)]
+    if sock.family == socket.AF_VSOCK:
+        # virtio-vsock has a buffer of its own (256 KiB by default), capped by its max.
+        options = [
+            (socket.AF_VSOCK, socket.SO_VM_SOCKETS_BUFFER_MAX_SIZE),
+            (socket.AF_VSOCK, socket.SO_VM_SOCKETS_BUFFER_SIZE),
+        ]
+    for level, option in options:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(level, option, SOCKET_BUFFER)
+    return stream
+
+
 # ---- dialing ---------------------------------------------------------------------------
 
 
 async def connect(address: Address) -> trio.abc.Stream:
     """Open a byte stream to an agent listening at ``address``."""
     if isinstance(address, UnixAddress):
-        return await trio.open_unix_socket(address.path)
+        return enlarge_buffers(await trio.open_unix_socket(address.path))
     if isinstance(address, TcpAddress):
         return await trio.open_tcp_stream(address.host, address.port)
     if isinstance(address, VsockAddress):
@@ -206,14 +226,14 @@ async def connect(address: Address) -> trio.abc.Stream:
         except BaseException:
             sock.close()
             raise
-        return trio.SocketStream(sock)
+        return enlarge_buffers(trio.SocketStream(sock))
     if isinstance(address, HybridAddress):
         return await _connect_hybrid(address)
     raise AddressError(f"{address} is listen-only")
 
 
 async def _connect_hybrid(address: HybridAddress) -> trio.abc.Stream:
-    stream = await trio.open_unix_socket(address.path)
+    stream = enlarge_buffers(await trio.open_unix_socket(address.path))
     try:
         await stream.send_all(f"CONNECT {address.port}\n".encode())
         reply = bytearray()
@@ -267,7 +287,7 @@ async def open_listener(
     raise AddressError(f"{address} is dial-only")
 
 
-def _listen_unix(path: str) -> trio.SocketListener:
+def _listen_unix(path: str) -> UnixListener:
     with contextlib.suppress(FileNotFoundError):
         if stat.S_ISSOCK(os.lstat(path).st_mode):
             _remove_stale_socket(path)
@@ -283,7 +303,7 @@ def _listen_unix(path: str) -> trio.SocketListener:
     except BaseException:
         sock.close()
         raise
-    return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+    return UnixListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
 
 
 def _remove_stale_socket(path: str) -> None:
@@ -298,6 +318,20 @@ def _remove_stale_socket(path: str) -> None:
     raise OSError(errno.EADDRINUSE, f"another process listens on {path}")
 
 
+class UnixListener(trio.abc.Listener[trio.abc.Stream]):
+    """A unix socket listener whose connections get big buffers (unix sockets do not
+    inherit them from the listening socket)."""
+
+    def __init__(self, inner: trio.SocketListener) -> None:
+        self.inner = inner
+
+    async def accept(self) -> trio.abc.Stream:
+        return enlarge_buffers(await self.inner.accept())
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 class VsockListener(trio.abc.Listener[trio.abc.Stream]):
     """A vsock listener that drops peers whose CID is not allowed."""
 
@@ -310,7 +344,7 @@ class VsockListener(trio.abc.Listener[trio.abc.Stream]):
             stream = await self.inner.accept()
             cid, port = stream.socket.getpeername()
             if self.allowed_cids is None or cid in self.allowed_cids:
-                return stream
+                return enlarge_buffers(stream)
             log.warning("event=vsock_refused peer_cid=%s peer_port=%s", cid, port)
             await trio.aclose_forcefully(stream)
 

@@ -13,11 +13,13 @@ import os
 import posixpath
 import secrets
 import stat
+from collections.abc import Sequence
 from typing import Any
 
 from .ops import naming
 
 _TMP_MARK = ".ga-tmp-"
+_IOV_MAX = 1024  # Linux's limit on the buffers of one writev
 _RENAME_NOREPLACE = 1
 
 
@@ -28,11 +30,21 @@ def temp_name(name: str) -> str:
     return f".{stem}{_TMP_MARK}{secrets.token_hex(4)}"
 
 
-def _write_all(fd: int, data: bytes | bytearray | memoryview, path: str) -> None:
-    view = memoryview(data)
+def _write_all(fd: int, chunks: Sequence[bytes | bytearray | memoryview], path: str) -> int:
+    """Write ``chunks`` in order, gathered into as few system calls as the kernel allows."""
+    views = [memoryview(chunk).cast("B") for chunk in chunks]
+    written = 0
+    first = 0  # views before this one are written out
     with naming(path):
-        while view:
-            view = view[os.write(fd, view) :]
+        while first < len(views):
+            sent = os.writev(fd, views[first : first + _IOV_MAX])
+            written += sent
+            while first < len(views) and sent >= len(views[first]):
+                sent -= len(views[first])
+                first += 1
+            if sent:
+                views[first] = views[first][sent:]
+    return written
 
 
 @functools.cache
@@ -152,8 +164,11 @@ class FileWriter:
             raise FileExistsError(errno.EEXIST, "no free temp file name", self.display)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        _write_all(self.fd, data, self.display)
-        self.written += len(data)
+        self.written += _write_all(self.fd, (data,), self.display)
+
+    def write_chunks(self, chunks: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Write several buffers with one gathered write (no joining copy)."""
+        self.written += _write_all(self.fd, chunks, self.display)
 
     def _final_mode(self) -> int | None:
         if self.mode is not None:

@@ -61,7 +61,7 @@ class Connection:
 
     # ---- receiving -------------------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> list[Message]:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> list[Message]:
         """Feed received bytes; return the messages they complete, in order."""
         if self._closed_error is not None:
             raise self._closed_error

@@ -159,7 +159,7 @@ class FrameDecoder:
         self._buffer = bytearray()
         self._error: RemoteProtocolError | None = None
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[dict[str, Any]]:
         """Add received bytes; return the maps of every frame now complete."""
         if self._error is not None:
             raise self._error
@@ -167,7 +167,7 @@ class FrameDecoder:
         # frame's bytes are copied into the buffer.
         if self._buffer:
             self._buffer += data
-            source: bytes | bytearray = self._buffer
+            source: bytes | bytearray | memoryview = self._buffer
         else:
             source = data
         maps: list[dict[str, Any]] = []

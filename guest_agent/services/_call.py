@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import trio
 
 from ..protocol import MAX_CHUNK_SIZE, Credit, Data, Eof, Event, InvalidParams, Message
+from ..wakeup import Wakeup
 
 
 class CallTransport(Protocol):
@@ -35,10 +36,11 @@ class Call:
         self.method = method
         self.params = params
         self._transport = transport
-        self._credit_changed = trio.Event()
-        self._inbound: collections.deque[bytes | bytearray] = collections.deque()
+        self._credit_changed = Wakeup()
+        # Client data not yet taken by receive(); made on first use (most calls take none).
+        self._inbound: collections.deque[bytes | bytearray] | None = None
         self._inbound_eof = False
-        self._inbound_changed = trio.Event()
+        self._inbound_changed = Wakeup()
         self.cancel_scope = trio.CancelScope()
         # Credit returned by the client so far: the bytes it says it has consumed.
         self.credit_returned = 0
@@ -49,16 +51,20 @@ class Call:
     # ---- agent to client -------------------------------------------------------------
 
     async def send_data(self, stream: str, data: bytes | bytearray | memoryview) -> None:
-        """Send ``data`` on ``stream``, waiting for the client's credit as needed."""
-        view = memoryview(data)
+        """Send ``data`` on ``stream``, waiting for the client's credit as needed.
+
+        The bytes are written out before this returns, so the caller may reuse ``data``.
+        """
+        view = memoryview(data).cast("B")
         while view:
             credit = self._transport.send_credit(self.id)
             while credit == 0:
                 await self._credit_changed.wait()
                 credit = self._transport.send_credit(self.id)
             size = min(credit, MAX_CHUNK_SIZE, len(view))
-            # A whole bytes object goes out as it is; only a part of one is copied out.
-            chunk = data if size == len(data) and isinstance(data, bytes) else bytes(view[:size])
+            # Frames carry slices of ``data``, not copies: a Data frame's payload is only
+            # read while it is sent (send_parts), never kept.
+            chunk = cast(bytes, view[:size])
             await self._transport.send(Data(self.id, stream, chunk))
             view = view[size:]
 
@@ -110,6 +116,7 @@ class Call:
             if self._inbound_eof:
                 return b""
             await self._inbound_changed.wait()
+        assert self._inbound is not None
         return self._inbound.popleft()
 
     # ---- fed by the connection --------------------------------------------------------
@@ -118,12 +125,13 @@ class Call:
         self.credit_returned += nbytes
         if self.credit_callback is not None:
             self.credit_callback(nbytes)
-        self._credit_changed.set()
-        self._credit_changed = trio.Event()
+        self._credit_changed.notify()
 
     def data_arrived(self, data: bytes) -> None:
         if not data:
             return
+        if self._inbound is None:
+            self._inbound = collections.deque()
         last = self._inbound[-1] if self._inbound else None
         if len(data) < _COALESCE_BELOW:
             if isinstance(last, bytearray) and len(last) < _COALESCE_LIMIT:
@@ -139,8 +147,7 @@ class Call:
         self._wake_receiver()
 
     def _wake_receiver(self) -> None:
-        self._inbound_changed.set()
-        self._inbound_changed = trio.Event()
+        self._inbound_changed.notify()
 
 
 Handler = Callable[[Call], Awaitable[dict[str, Any]]]
