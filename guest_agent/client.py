@@ -51,10 +51,9 @@ from .protocol import (
     Role,
     VersionMismatch,
 )
-from .transport import Address, connect, parse_address, send_parts
+from .transport import Address, Reader, connect, parse_address, send_parts
 
 DEFAULT_WINDOW = 4 << 20
-RECEIVE_SIZE = 256 << 10
 T = TypeVar("T")
 
 
@@ -153,7 +152,7 @@ class CallStream:
 
     async def send_data(self, stream: str, data: bytes | bytearray | memoryview) -> None:
         """Send ``data`` on the named stream, waiting for the agent's credit."""
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         conn = self.client._conn
         while view:
             while (credit := conn.send_credit(self.id)) == 0:
@@ -161,7 +160,8 @@ class CallStream:
                     raise ConnectionLost(f"call {self.id} ended before its input was sent")
                 await self._credit_changed.wait()
             size = min(credit, MAX_CHUNK_SIZE, len(view))
-            await self.client._send(Data(self.id, stream, bytes(view[:size])))
+            # A slice, not a copy: _send writes the frame out before it returns.
+            await self.client._send(Data(self.id, stream, cast(bytes, view[:size])))
             view = view[size:]
 
     async def send_eof(self, stream: str) -> None:
@@ -303,6 +303,7 @@ class Client:
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self._stream = stream
+        self._reader = Reader(stream)
         self._conn = Connection(Role.CLIENT)
         self._send_lock = trio.Lock()
         self._calls: dict[int, CallStream] = {}
@@ -353,10 +354,10 @@ class Client:
     async def _handshake(self, token: str | None, software: str) -> None:
         await self._send(Hello(software=software, token=token))
         while self._conn.peer_hello is None:
-            data = await self._stream.receive_some(RECEIVE_SIZE)
+            data = await self._reader.read()
             if not data:
                 raise ConnectionLost("the agent closed the connection during the handshake")
-            for message in self._conn.receive_data(bytes(data)):
+            for message in self._conn.receive_data(data):
                 if isinstance(message, Error):
                     raise AgentError.from_wire(message.code, message.message, message.errno)
         self.agent_hello = self._conn.peer_hello
@@ -380,11 +381,11 @@ class Client:
         error: BaseException
         try:
             while True:
-                data = await self._stream.receive_some(RECEIVE_SIZE)
+                data = await self._reader.read()
                 if not data:
                     error = ConnectionLost("the agent closed the connection")
                     break
-                for message in self._conn.receive_data(bytes(data)):
+                for message in self._conn.receive_data(data):
                     if isinstance(message, Error) and message.id is None:
                         raise AgentError.from_wire(message.code, message.message, message.errno)
                     if isinstance(message, Credit):

@@ -36,17 +36,13 @@ from .protocol import (
     Role,
 )
 from .services import Call, Handler, Runtime, build_handlers
-from .transport import Address, UnixAddress, open_listener, send_parts
+from .transport import Address, Reader, UnixAddress, open_listener, send_parts
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger(__name__)
 
-# Reads start small and grow while they come back full (an upload): idle connections
-# should not hold a megabyte each.
-RECEIVE_SIZE = 1 << 20
-_RECEIVE_START = 64 << 10
 # How long a refused peer gets to read our error frame before we hang up.
 _FAREWELL_TIMEOUT = 1.0
 _ACCEPT_RETRY = 0.1
@@ -141,20 +137,10 @@ class Session:
                 await self.send(error)
 
     async def _read_loop(self, nursery: trio.Nursery) -> None:
-        # A socket is read into one reused buffer: a fresh object per read would have its
-        # pages faulted in again and again (uploads arrive at a GiB/s). Frames are decoded
-        # out of it before the next read; what they keep, msgpack has copied.
-        sock = self.stream.socket if isinstance(self.stream, trio.SocketStream) else None
-        buffer = bytearray(_RECEIVE_START if sock is not None else 0)
+        reader = Reader(self.stream)
         with trio.move_on_after(self.config.handshake_timeout) as handshake_scope:
             while True:
-                if sock is not None:
-                    received = await sock.recv_into(buffer)
-                    data: bytes | memoryview = memoryview(buffer)[:received]
-                    if received == len(buffer) < RECEIVE_SIZE:
-                        buffer = bytearray(len(buffer) * 2)  # the old one is still in `data`
-                else:
-                    data = bytes(await self.stream.receive_some(RECEIVE_SIZE))
+                data = await reader.read()
                 if not data:
                     return
                 for message in self.conn.receive_data(data):

@@ -184,6 +184,33 @@ async def send_parts(stream: trio.abc.Stream, parts: list[bytes | bytearray | me
         raise trio.BrokenResourceError(f"socket send failed: {exc!r}") from exc
 
 
+class Reader:
+    """Reads a stream into one reused buffer, which grows while reads come back full.
+
+    A fresh object per read would have its pages faulted in again and again (transfers
+    run at a GiB/s); an idle connection keeps only the small starting buffer. What a read
+    returns is valid until the next read: decode it first (msgpack copies what it keeps).
+    """
+
+    START = 64 << 10
+    LIMIT = 1 << 20
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self._buffer = bytearray(self.START if self._socket is not None else 0)
+
+    async def read(self) -> bytes | memoryview:
+        """The next bytes; empty at the end of the stream."""
+        if self._socket is None:
+            return bytes(await self.stream.receive_some(self.LIMIT))
+        received = await self._socket.recv_into(self._buffer)
+        data = memoryview(self._buffer)[:received]
+        if received == len(self._buffer) < self.LIMIT:
+            self._buffer = bytearray(len(self._buffer) * 2)  # the old one lives on in `data`
+        return data
+
+
 def abort_stream(stream: trio.abc.Stream) -> None:
     """Close ``stream`` at once, without a checkpoint; a task reading it gets an error."""
     if isinstance(stream, trio.SocketStream):
