@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,16 @@ class _no_service_starts:
     def __exit__(self, *exc_info: object) -> None:
         if self.created:
             self.path.unlink(missing_ok=True)
+
+
+def compile_agent() -> None:
+    """Compile the agent's .pyc, as a VM image ships it (and as `make` does).
+
+    Without them every agent start compiles guest_agent from source (this environment sets
+    PYTHONDONTWRITEBYTECODE), which is not what start-up or idle RSS measure in production.
+    """
+    package = Path(__file__).resolve().parent.parent / "guest_agent"
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(package)], check=True)
 
 
 def build_floor(gcc: str | None, out_dir: Path) -> Path | None:

@@ -37,7 +37,7 @@ from guest_agent.client import Client
 from guest_agent.protocol import Data
 
 from .agentproc import REPO, AgentUnderTest, RawClient
-from .install import Installer, build_floor
+from .install import Installer, build_floor, compile_agent
 from .peers import QemuGa, Ssh, read_all
 from .procs import (
     CGROUP2_MOUNT,
@@ -1033,6 +1033,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = 0.0 if args.no_install else args.install_timeout
         installer = Installer(budget=budget)
         tools = installer.ensure(["qemu-ga", "sshd", "ssh", "gcc"])
+        compile_agent()
         floor = None
         try:
             floor = build_floor(tools["gcc"], workdir)

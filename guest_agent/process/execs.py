@@ -478,9 +478,6 @@ class ExecManager:
             exec_.exit_code = info.si_status
         else:
             exec_.signal = info.si_status
-        # Popen must learn the status: dropped while it thinks the child runs, it would
-        # queue the pid for subprocess's own waitpid() and steal a later exit status.
-        spawned.popen.returncode = exec_.exit_code if exec_.signal is None else -exec_.signal
         exec_.main_exited = True
         exec_.notify()
 

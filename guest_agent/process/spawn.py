@@ -46,7 +46,6 @@ class Spawned:
 
     pid: int
     pidfd: int
-    popen: subprocess.Popen[bytes]
     stdin_fd: int | None = None
     stdout_fd: int | None = None
     stderr_fd: int | None = None
@@ -144,7 +143,12 @@ def spawn(spec: SpawnSpec, cgroups: CgroupManager | None, cgroup: ExecCgroup | N
         write_control(f"/proc/{popen.pid}/oom_score_adj", "0")
     except OSError as exc:
         notes.append(f"oom_score_adj not reset: {exc.strerror}")
-    spawned = Spawned(popen.pid, os.pidfd_open(popen.pid), popen, notes=notes)
+    pidfd = os.pidfd_open(popen.pid)
+    # The pidfd is how the agent waits for and reaps this child. Popen must never do it:
+    # dropped while it thinks the child runs, it queues the pid for its own waitpid() in a
+    # later Popen() call, which would steal the exit status. So it is told it is done.
+    popen.returncode = 0
+    spawned = Spawned(popen.pid, pidfd, notes=notes)
     if spec.pty_size is not None:
         spawned.pty_fd = parent_fds[0]
     else:
