@@ -29,7 +29,6 @@ ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 def _reap(spawned: Spawned) -> None:
     os.waitid(os.P_PIDFD, spawned.pidfd, os.WEXITED)
-    spawned.popen.returncode = 0  # reaped here; keeps Popen.__del__ from waiting again
     for fd in (spawned.pidfd, spawned.stdin_fd, spawned.stdout_fd, spawned.stderr_fd):
         if fd is not None:
             os.close(fd)
