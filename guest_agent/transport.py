@@ -30,7 +30,7 @@ ADDRESS_FORMS = (
 _HYBRID_REPLY_MAX = 64  # "OK 1073741824\n" fits many times over
 _SERIAL_RETRY_MAX = 1.0
 # Kernel send and receive buffers of a connected unix or vsock socket. The ~200 KiB default
-# holds less than one 256 KiB data frame, so a transfer stalls and switches tasks at every
+# holds less than one 512 KiB data frame, so a transfer stalls and switches tasks at every
 # frame; with a few MiB it moves in a few large reads. Capped by net.core.[wr]mem_max.
 SOCKET_BUFFER = 4 << 20
 

@@ -16,7 +16,7 @@ PROTOCOL_VERSION = (1, 0)
 # The largest msgpack payload of one frame, header excluded; fixed by the protocol.
 MAX_FRAME_SIZE = 1 << 20
 # The largest data chunk a sender puts in one frame (leaves room for the envelope).
-MAX_CHUNK_SIZE = 256 << 10
+MAX_CHUNK_SIZE = 512 << 10
 MAX_ID = (1 << 63) - 1
 # Credit and windows are byte counts; capped so a peer cannot overflow a Go int64.
 MAX_CREDIT = (1 << 62) - 1
