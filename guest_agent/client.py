@@ -156,6 +156,8 @@ class CallStream:
         conn = self.client._conn
         while view:
             while (credit := conn.send_credit(self.id)) == 0:
+                if self.client._lost is not None:
+                    raise ConnectionLost(f"connection to the agent lost: {self.client._lost}")
                 if not conn.is_open(self.id):
                     raise ConnectionLost(f"call {self.id} ended before its input was sent")
                 await self._credit_changed.wait()

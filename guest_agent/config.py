@@ -165,7 +165,7 @@ def config_from_settings(settings: Mapping[str, Any]) -> Config:
         cids = [str(c) for c in _as_list(settings["allow_cid"])]
         if "any" in cids:
             values["allowed_cids"] = None
-        elif not all(c.isdigit() for c in cids):
+        elif not all(c.isascii() and c.isdigit() for c in cids):
             raise ConfigError(f"allow_cid: {cids} must be numbers or 'any'")
         else:
             values["allowed_cids"] = frozenset(int(c) for c in cids)

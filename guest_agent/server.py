@@ -277,6 +277,14 @@ async def _start(
     task_status.started(listeners)
 
 
+async def _serve_connection(session: Session) -> None:
+    """Run one session; whatever goes wrong in it ends that connection only."""
+    try:
+        await session.run()
+    except Exception:
+        log.exception("event=connection_failed conn=%s", session.name)
+
+
 async def _accept_loop(
     listener: trio.abc.Listener[Any], address: Address, handlers: dict[str, Handler], config: Config
 ) -> None:
@@ -291,7 +299,7 @@ async def _accept_loop(
                     await trio.sleep(_ACCEPT_RETRY)
                     continue
                 name = f"{next(_connection_numbers)}@{address}"
-                nursery.start_soon(Session(stream, name, handlers, config).run)
+                nursery.start_soon(_serve_connection, Session(stream, name, handlers, config))
     finally:
         if isinstance(address, UnixAddress):
             with contextlib.suppress(OSError):

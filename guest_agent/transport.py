@@ -29,6 +29,8 @@ ADDRESS_FORMS = (
 )
 _HYBRID_REPLY_MAX = 64  # "OK 1073741824\n" fits many times over
 _SERIAL_RETRY_MAX = 1.0
+# How long one frame may take to write before the connection is given up for dead.
+FRAME_WRITE_TIMEOUT = 60.0
 # Kernel send and receive buffers of a connected unix or vsock socket. The ~200 KiB default
 # holds less than one 512 KiB data frame, so a transfer stalls and switches tasks at every
 # frame; with a few MiB it moves in a few large reads. Capped by net.core.[wr]mem_max.
@@ -148,40 +150,45 @@ def _parse_address(text: str) -> Address:
 # ---- writing ---------------------------------------------------------------------------
 
 
-async def send_parts(stream: trio.abc.Stream, parts: list[bytes | bytearray | memoryview]) -> None:
+Parts = list[bytes | bytearray | memoryview]
+
+
+async def send_parts(stream: trio.abc.Stream, parts: Parts) -> None:
     """Write one frame's ``parts`` in order, gathered into as few system calls as possible.
 
-    A frame is written whole or the stream is closed: cut short by a cancellation, it would
-    garble every frame after it on the connection.
+    A cancellation takes effect before the frame or after it, never inside: a frame cut
+    short would garble every later frame of the connection (all its other requests). A
+    frame that cannot be written within FRAME_WRITE_TIMEOUT (a peer that stopped reading,
+    a half-open connection after a snapshot restore) closes the stream instead.
     """
-    written = 0
-    try:
-        if not isinstance(stream, trio.SocketStream):
-            for part in parts:
-                await stream.send_all(part)
-                written += len(part)
-            return
-        views = [memoryview(part).cast("B") for part in parts]
-        while views:
-            sent = await stream.socket.sendmsg(views)
-            written += sent
-            while sent:
-                first = len(views[0])
-                if sent >= first:
-                    sent -= first
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
-    except trio.Cancelled:
-        # A socket says how much went out; for other streams a cancelled send_all may have
-        # written part of its buffer, so any cancellation there ends the connection.
-        if written or not isinstance(stream, trio.SocketStream):
-            abort_stream(stream)
-        raise
-    except OSError as exc:
-        # What SocketStream.send_all would raise, so callers handle one kind of failure.
-        raise trio.BrokenResourceError(f"socket send failed: {exc!r}") from exc
+    await trio.lowlevel.checkpoint_if_cancelled()
+    with trio.CancelScope(shield=True), trio.move_on_after(FRAME_WRITE_TIMEOUT) as deadline:
+        try:
+            await _write_parts(stream, parts)
+        except OSError as exc:
+            # What SocketStream.send_all would raise, so callers handle one kind of failure.
+            raise trio.BrokenResourceError(f"socket send failed: {exc!r}") from exc
+    if deadline.cancelled_caught:
+        abort_stream(stream)
+        raise trio.BrokenResourceError(f"no frame written for {FRAME_WRITE_TIMEOUT} s: gave up")
+
+
+async def _write_parts(stream: trio.abc.Stream, parts: Parts) -> None:
+    if not isinstance(stream, trio.SocketStream):
+        for part in parts:
+            await stream.send_all(part)
+        return
+    views = [memoryview(part).cast("B") for part in parts]
+    while views:
+        sent = await stream.socket.sendmsg(views)
+        while sent:
+            first = len(views[0])
+            if sent >= first:
+                sent -= first
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
 
 
 class Reader:
@@ -369,7 +376,11 @@ class VsockListener(trio.abc.Listener[trio.abc.Stream]):
     async def accept(self) -> trio.abc.Stream:
         while True:
             stream = await self.inner.accept()
-            cid, port = stream.socket.getpeername()
+            try:
+                cid, port = stream.socket.getpeername()
+            except OSError:  # the peer is already gone
+                await trio.aclose_forcefully(stream)
+                continue
             if self.allowed_cids is None or cid in self.allowed_cids:
                 return enlarge_buffers(stream)
             log.warning("event=vsock_refused peer_cid=%s peer_port=%s", cid, port)

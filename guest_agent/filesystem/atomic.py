@@ -132,7 +132,8 @@ class FileWriter:
     def open(self) -> None:
         with naming(self.display, replace=True):
             if self.append:
-                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                # O_NOFOLLOW: a link planted at the target must not redirect the append.
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
                 if self.exclusive:
                     flags |= os.O_EXCL
                 with contextlib.suppress(FileNotFoundError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import posixpath
 import stat
@@ -39,12 +40,20 @@ def member_parts(name: str) -> list[str]:
     return parts
 
 
+# Permission bits an archive may set: never setuid or setgid (the archive is untrusted on
+# either side: a guest's for the host, a client's for the guest).
+_SAFE_MODE = 0o1777
+
+
 def _check_symlink(parts: list[str], target: str) -> None:
     """Refuse a symlink whose target leaves the tree (judged from where the link sits)."""
     if target.startswith("/"):
         raise UnsafeArchive(f"symlink {'/'.join(parts)!r} points to an absolute path {target!r}")
-    resolved = posixpath.normpath(posixpath.join("/".join(parts[:-1]), target))
-    if resolved == ".." or resolved.startswith("../"):
+    steps = [step for step in target.split("/") if step not in ("", ".")]
+    ups = len(steps) - len(list(itertools.dropwhile(lambda step: step == "..", steps)))
+    # ".." only at the start: after a name it could climb out through another symlink
+    # ("d -> ." then "e -> d/../x"), which a lexical check cannot see.
+    if ".." in steps[ups:] or ups > len(parts) - 1:
         raise UnsafeArchive(f"symlink {'/'.join(parts)!r} points outside the tree ({target!r})")
 
 
@@ -137,7 +146,7 @@ def extract_tar(root: str, read: Callable[[int], bytes]) -> dict[str, Any]:
         for parts, mode, mtime_ns in reversed(dir_attrs):
             fd = _walk(root_fd, parts, create=False)
             try:
-                os.fchmod(fd, mode & 0o7777)
+                os.fchmod(fd, mode & _SAFE_MODE)
                 os.utime(fd, ns=(mtime_ns, mtime_ns))
             finally:
                 os.close(fd)
@@ -165,7 +174,11 @@ def _extract_member(
         source = tar.extractfile(member)
         assert source is not None
         writer = FileWriter(
-            parent_fd, name, display, mode=member.mode & 0o7777, mtime_ns=int(member.mtime * 1e9)
+            parent_fd,
+            name,
+            display,
+            mode=member.mode & _SAFE_MODE,
+            mtime_ns=int(member.mtime * 1e9),
         )
         try:
             writer.open()

@@ -166,11 +166,8 @@ class CgroupManager:
                     applied[controller] = value
                     if controller == "memory":
                         # No swap escape hatch: the limit is the limit.
-                        with (
-                            contextlib.suppress(OSError),
-                            open(os.path.join(path, "memory.swap.max"), "w") as f,
-                        ):
-                            f.write("0")
+                        with contextlib.suppress(OSError):
+                            write_control(os.path.join(path, "memory.swap.max"), "0")
         except BaseException:
             os.rmdir(path)
             raise
@@ -179,11 +176,20 @@ class CgroupManager:
     @contextlib.contextmanager
     def joined(self, cgroup: ExecCgroup) -> Iterator[None]:
         """Run the body (a spawn) with the agent inside ``cgroup``; children inherit it."""
+        pids_max = cgroup.limits_applied.get("pids")
+        pids_file = os.path.join(cgroup.path, "pids.max")
+        if pids_max is not None:
+            # The agent's own threads count while it sits in the cgroup to spawn: make room
+            # for them, and set the real limit once it has left.
+            threads = len(os.listdir("/proc/self/task"))
+            write_control(pids_file, str(pids_max + threads))
         self._move_self(cgroup.path)
         try:
             yield
         finally:
             self._move_self(self.home)
+            if pids_max is not None:
+                write_control(pids_file, str(pids_max))
 
     @staticmethod
     def _move_self(directory: str) -> None:

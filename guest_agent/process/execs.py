@@ -259,7 +259,9 @@ class Exec:
 
     async def send_taken(self, att: Attachment, name: str, chunk: bytes) -> None:
         """Send what take_for_sending gave; a dead connection only ends this attachment."""
-        with trio.CancelScope() as scope:
+        # Shielded: only end_sends() stops it. A chunk taken is counted as sent, so a send
+        # cancelled from outside (the supervisor ending the pumps) would lose it silently.
+        with trio.CancelScope(shield=True) as scope:
             att.sends.add(scope)
             try:
                 await att.sink.send_reserved(name, chunk)
@@ -332,7 +334,7 @@ class Exec:
         """Set the PTY size through the exec's own dup of the master (the pump owns the other)."""
         if self.spawned is None or self.spawned.pty_fd is None:
             raise NotFound(f"exec {self.id} has no terminal")
-        if self.stdin is None:
+        if self.stdin is None or self.ended.is_set():
             raise NotFound(f"exec {self.id} has ended")
         set_window_size(self.stdin.fileno(), rows, cols)
 
@@ -468,12 +470,15 @@ class ExecManager:
             exec_.timed_out = True
             await self.terminate(exec_, "timeout")
 
-    def _reap(self, exec_: Exec) -> None:
+    def _reap(self, exec_: Exec, *, block: bool = True) -> None:
         """Collect the main process's status through its pidfd (never waitpid(-1))."""
         spawned = exec_.spawned
         assert spawned is not None
-        info = os.waitid(os.P_PIDFD, spawned.pidfd, os.WEXITED)
-        assert info is not None
+        info = os.waitid(os.P_PIDFD, spawned.pidfd, os.WEXITED | (0 if block else os.WNOHANG))
+        if info is None:
+            # Not even SIGKILL ended it in time (uninterruptible sleep): init reaps it later.
+            log.warning("event=exec_unreaped exec=%s pid=%d", exec_.id, exec_.pid)
+            return
         if info.si_code == os.CLD_EXITED:
             exec_.exit_code = info.si_status
         else:
@@ -544,7 +549,7 @@ class ExecManager:
             with trio.move_on_after(_REAP_TIMEOUT):
                 await trio.lowlevel.wait_readable(spawned.pidfd)
             with contextlib.suppress(ChildProcessError):
-                self._reap(exec_)
+                self._reap(exec_, block=False)
         elif self.nursery.cancel_scope.cancel_called and exec_.cgroup is not None:
             exec_.cgroup.signal_all(signal.SIGKILL)  # shutdown: background leftovers too
         if exec_.stdin is not None:

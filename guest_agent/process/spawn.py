@@ -13,6 +13,7 @@ import fcntl
 import functools
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import termios
@@ -114,7 +115,12 @@ def spawn(spec: SpawnSpec, cgroups: CgroupManager | None, cgroup: ExecCgroup | N
             parent_fds += [out_read, err_read]
             child_fds += [stdout, stderr]
         creds = spec.credentials
-        as_other_user = creds is not None and creds.uid != os.geteuid()
+        # The gid and groups count too: "root:staff" must not run with root's own group.
+        as_other_user = creds is not None and (creds.uid, creds.gid, set(creds.groups)) != (
+            os.geteuid(),
+            os.getegid(),
+            set(os.getgroups()),
+        )
         with cgroups.joined(cgroup) if cgroups and cgroup else contextlib.nullcontext():
             popen = subprocess.Popen(
                 argv,
@@ -143,7 +149,16 @@ def spawn(spec: SpawnSpec, cgroups: CgroupManager | None, cgroup: ExecCgroup | N
         write_control(f"/proc/{popen.pid}/oom_score_adj", "0")
     except OSError as exc:
         notes.append(f"oom_score_adj not reset: {exc.strerror}")
-    pidfd = os.pidfd_open(popen.pid)
+    try:
+        pidfd = os.pidfd_open(popen.pid)
+    except OSError:
+        # Out of fds, say: nothing could supervise this child, so it must not run on.
+        os.kill(popen.pid, signal.SIGKILL)
+        os.waitpid(popen.pid, 0)
+        popen.returncode = -signal.SIGKILL
+        for fd in parent_fds:
+            os.close(fd)
+        raise
     # The pidfd is how the agent waits for and reaps this child. Popen must never do it:
     # dropped while it thinks the child runs, it queues the pid for its own waitpid() in a
     # later Popen() call, which would steal the exit status. So it is told it is done.

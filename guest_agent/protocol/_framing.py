@@ -77,22 +77,28 @@ def check_structure(payload: bytes | memoryview) -> None:
     nested headers each claiming many elements cost far more memory than the frame's bytes.
     Every element takes at least one byte, so in an honest frame all containers together
     claim at most as many elements as there are bytes; deeper nesting than MAX_DEPTH is
-    refused too. Strings and bin payloads are skipped by their length, so this is cheap.
+    refused too. Map keys must be strings (msgpack's strict_map_key also lets bin through).
+    Strings and bin payloads are skipped by their length, so this is cheap.
     """
     size = len(payload)
     position = 0
     claimed = 0
     limit = min(size, MAX_ELEMENTS)
     pending = [1]  # objects still to read at each open nesting level
+    in_map = [False]  # whether that level is a map (its keys come at even counts)
     while pending:
         if pending[-1] == 0:
             pending.pop()
+            in_map.pop()
             continue
+        is_key = in_map[-1] and pending[-1] % 2 == 0
         pending[-1] -= 1
         if position >= size:
             raise RemoteProtocolError("truncated msgpack in frame")
         byte = payload[position]
         position += 1
+        if is_key and not (0xA0 <= byte <= 0xBF or 0xD9 <= byte <= 0xDB):
+            raise RemoteProtocolError("msgpack map keys must be strings")
         count = 0
         if byte <= 0x7F or byte >= 0xE0 or byte in (0xC0, 0xC2, 0xC3):
             continue
@@ -121,6 +127,7 @@ def check_structure(payload: bytes | memoryview) -> None:
                     f" (at most {limit})"
                 )
             pending.append(count)
+            in_map.append(0x80 <= byte <= 0x8F or byte in (0xDE, 0xDF))
             if len(pending) > MAX_DEPTH:
                 raise RemoteProtocolError(f"msgpack nesting deeper than {MAX_DEPTH}")
 

@@ -57,10 +57,7 @@ class Call:
         """
         view = memoryview(data).cast("B")
         while view:
-            credit = self._transport.send_credit(self.id)
-            while credit == 0:
-                await self._credit_changed.wait()
-                credit = self._transport.send_credit(self.id)
+            credit = await self.wait_for_credit()  # net of reserve_credit()'s reservations
             size = min(credit, MAX_CHUNK_SIZE, len(view))
             # Frames carry slices of ``data``, not copies: a Data frame's payload is only
             # read while it is sent (send_parts), never kept.

@@ -139,6 +139,8 @@ class ExecService:
         ring_bytes = param(call, "ring_bytes", int, self.config.output_ring_bytes)
         if not 4096 <= ring_bytes <= 1 << 30:
             raise InvalidParams("exec.start: ring_bytes must be 4 KiB..1 GiB")
+        # Every parameter is checked before the spawn: after it, an error would orphan it.
+        detach = param(call, "detach", bool, False)
         exec_ = self.manager.start(
             spec,
             user=creds.name,
@@ -153,11 +155,10 @@ class ExecService:
             "cgroup": exec_.cgroup is not None,
             "limits": self._limits_report(exec_, limits),
         }
-        if param(call, "detach", bool, False):
+        if detach:
             exec_.detach()
             return {**started, "detached": True}
-        await call.send_event("started", started)
-        return await self._stream(call, exec_, {})
+        return await self._stream(call, exec_, {}, started=started)
 
     def _limits_report(self, exec_: Exec, limits: ExecLimits) -> dict[str, Any]:
         """Each requested limit: applied, or why not (never silently ignored)."""
@@ -191,16 +192,25 @@ class ExecService:
                     f"exec.attach: offset {name}={value} is past the {exec_.buffers[name].end}"
                     " bytes produced so far"
                 )
-        return await self._stream(call, exec_, offsets, announce=True)
+        return await self._stream(call, exec_, offsets)
 
     async def _stream(
-        self, call: Call, exec_: Exec, offsets: dict[str, int], announce: bool = False
+        self,
+        call: Call,
+        exec_: Exec,
+        offsets: dict[str, int],
+        started: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """Attach ``call``; announce it ("started", else "attached"); stream until the end."""
+        # Attached before the first await: a cancel from here on abandons the exec (reattach
+        # grace, then kill) instead of leaving it unattached and unwatched for ever.
         attachment = exec_.attach(offsets, call)
         call.credit_callback = lambda nbytes: exec_.acknowledge(attachment, nbytes)
         finished = False
         try:
-            if announce:
+            if started is not None:
+                await call.send_event("started", started)
+            else:
                 await call.send_event(
                     "attached",
                     {

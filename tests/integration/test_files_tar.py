@@ -220,3 +220,22 @@ async def test_interrupted_upload_keeps_old_files_and_no_temp(agent: str, short_
         await client.ping()
     assert sorted(os.listdir(target)) == ["big.bin"]
     assert (target / "big.bin").read_bytes() == b"old"
+
+
+async def test_setuid_and_setgid_bits_are_dropped(agent: str, short_tmp: Path) -> None:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, mode in (("suid", 0o4755), ("sgid-dir", 0o2775)):
+            info = tarfile.TarInfo(name)
+            info.mode = mode
+            if name == "sgid-dir":
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = 2
+                tar.addfile(info, io.BytesIO(b"hi"))
+    target = short_tmp / "t"
+    async with Client.connect(agent) as client:
+        await client.upload_tar(str(target), out.getvalue())
+    assert stat.S_IMODE((target / "suid").stat().st_mode) == 0o755
+    assert stat.S_IMODE((target / "sgid-dir").stat().st_mode) == 0o775

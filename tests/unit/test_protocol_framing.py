@@ -203,3 +203,9 @@ def test_data_frame_parts_are_the_same_bytes(size: int) -> None:
     assert envelope + payload == encode_frame(
         {"type": "data", "id": 3, "stream": "stdout", "data": data}
     )
+
+
+@pytest.mark.parametrize("wire", [{"a": {b"k": 1}}, {"type": "x", 1: 2}])
+def test_map_keys_must_be_strings(wire: dict) -> None:  # type: ignore[type-arg]
+    with pytest.raises(RemoteProtocolError, match="keys must be strings"):
+        decode_payload(msgpack.packb(wire))
