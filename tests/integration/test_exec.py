@@ -15,6 +15,7 @@ from guest_agent.client import Client, SyncClient
 from guest_agent.protocol import (
     Cancel,
     Error,
+    Event,
     InvalidParams,
     NotFound,
     RemoteOSError,
@@ -438,3 +439,22 @@ async def test_cancel_mid_frame_finishes_the_frame(agent: str) -> None:
         assert isinstance(await raw.call(2, "system.ping"), Result)
     finally:
         await raw.aclose()
+
+
+async def test_cancel_before_the_stream_attaches_still_abandons(start_agent) -> None:  # type: ignore[no-untyped-def]
+    agent = await start_agent(reattach_grace=0.3)
+    raw = await RawClient.open(agent)
+    try:
+        await raw.hello()
+        request = Request(1, "exec.start", {"argv": ["sleep", "300"]}, 1 << 20)
+        # Request and cancel in one write: the cancel lands between spawn and attach.
+        await raw.send_raw(raw.conn.send(request) + raw.conn.send(Cancel(1)))
+        started = await raw.receive()
+        exec_id = started.body["exec_id"] if isinstance(started, Event) else None
+    finally:
+        await raw.aclose()
+    async with Client.connect(agent) as client:
+        execs = await client.exec_list()
+        assert exec_id is not None or len(execs) == 1
+        status = await client.exec_wait(exec_id or execs[0]["exec_id"], timeout=30)
+    assert status["state"] == "exited" and status["kill_reason"] == "abandoned"
