@@ -8,11 +8,9 @@ executable; 127 not found; 2 for usage errors.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import trio
 
@@ -25,25 +23,11 @@ from ..protocol import (
     VersionMismatch,
 )
 from ..transport import AddressError, TransportError
+from ._output import fail
 
-EXIT_AGENT_ERROR = 125
 DEFAULT_ADDRESS = "vsock:3:1024"
 
 Command = Callable[[Client, argparse.Namespace], Awaitable[int]]
-
-
-def emit(args: argparse.Namespace, value: Any, text: str) -> None:
-    """Print ``value`` as JSON under --json, else ``text``."""
-    if args.json:
-        print(json.dumps(value, indent=2, sort_keys=True, default=str))
-    else:
-        print(text)
-
-
-def fail(message: str, code: int = EXIT_AGENT_ERROR) -> int:
-    """One line on stderr, then the exit code."""
-    print(f"guest-agent-ctl: {message}", file=sys.stderr)
-    return code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ import trio
 from ..client import Client, ExecStream
 from ..protocol import InvalidParams, RemoteOSError
 from ..signals import signal_number
-from . import emit, fail
+from ._output import emit, fail
 
 EXIT_TIMED_OUT = 124
 EXIT_NOT_EXECUTABLE = 126

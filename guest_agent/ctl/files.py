@@ -21,6 +21,7 @@ import trio
 
 from ..client import Client, ConnectionLost
 from ..protocol import AgentError, InvalidParams, RemoteOSError
+from ._output import emit
 
 EXIT_FILE_ERROR = 1
 EXIT_BROKEN_PIPE = 128 + 13  # as a shell reports a command killed by SIGPIPE
@@ -327,8 +328,6 @@ async def cmd_ls(client: Client, args: argparse.Namespace) -> int:
         # Listing a file shows that file, as ls(1) does.
         entry = await client.stat(args.path, user=args.user)
         result = {"entries": [{**entry, "path": entry["name"]}], "truncated": False}
-    from . import emit
-
     entries = result["entries"]
     lines = [_long_line(e, e["path"]) if args.long else e["path"] for e in entries]
     if entries or args.json:
@@ -340,8 +339,6 @@ async def cmd_ls(client: Client, args: argparse.Namespace) -> int:
 
 async def cmd_stat(client: Client, args: argparse.Namespace) -> int:
     info = await client.stat(args.path, follow=args.follow, user=args.user)
-    from . import emit
-
     shown = {**info, "mode": f"{info['mode']:04o}"}
     shown["mtime"] = time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(info["mtime"]))
     lines = [f"{key}: {value}" for key, value in shown.items() if value is not None]

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from ..client import Client
+from ._output import emit
 
 
 def register(sub: Any) -> None:
@@ -21,16 +22,12 @@ async def cmd_ping(client: Client, args: argparse.Namespace) -> int:
     started = time.perf_counter()
     await client.ping()
     elapsed_ms = (time.perf_counter() - started) * 1000
-    from . import emit
-
     emit(args, {"ok": True, "rtt_ms": round(elapsed_ms, 3)}, f"pong in {elapsed_ms:.2f} ms")
     return 0
 
 
 async def cmd_info(client: Client, args: argparse.Namespace) -> int:
     info = await client.info()
-    from . import emit
-
     lines = [f"{key}: {value}" for key, value in sorted(info.items())]
     emit(args, info, "\n".join(lines))
     return 0
