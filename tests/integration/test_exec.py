@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from guest_agent.client import Client, SyncClient
+from guest_agent.client import Client
 from guest_agent.protocol import (
     Cancel,
     Error,
@@ -22,6 +22,7 @@ from guest_agent.protocol import (
     Request,
     Result,
 )
+from guest_agent.sync_client import SyncClient
 
 from ..rawclient import RawClient
 from .proctools import alive, wait_until_dead

@@ -23,7 +23,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from guest_agent.client import ExecStream, SyncClient
+from guest_agent.client import ExecStream
+from guest_agent.sync_client import SyncClient
 
 from ..conftest import AgentProcess
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from guest_agent.client import Client, SyncClient
+from guest_agent.client import Client
 from guest_agent.protocol import InvalidParams, RemoteOSError
+from guest_agent.sync_client import SyncClient
 from tests.conftest import StartAgent
 
 
