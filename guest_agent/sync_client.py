@@ -190,11 +190,7 @@ class SyncClient:
         **options: Any,
     ) -> dict[str, Any]:
         """As Client.write_file; ``data`` may also be a binary file or an iterable of bytes."""
-        source: bytes | bytearray | memoryview | AsyncIterable[bytes]
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            source = data
-        else:
-            source = _chunks_from_thread(data)
+        source = _as_source(data)
         return self.run(functools.partial(self.client.write_file, path, source, **options))
 
     def stat(
@@ -245,11 +241,7 @@ class SyncClient:
         user: str | int | None = None,
     ) -> dict[str, Any]:
         """As Client.upload_tar; ``data`` may also be a binary file or an iterable of bytes."""
-        source: bytes | bytearray | memoryview | AsyncIterable[bytes]
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            source = data
-        else:
-            source = _chunks_from_thread(data)
+        source = _as_source(data)
         return self.run(functools.partial(self.client.upload_tar, path, source, user=user))
 
     def download_dir(self, path: str, local_dir: str, **options: Any) -> dict[str, Any]:
@@ -297,6 +289,15 @@ class SyncCallStream:
 # ---- helpers --------------------------------------------------------------------------
 
 _FILE_CHUNK = 1 << 20
+
+
+def _as_source(
+    data: bytes | bytearray | memoryview | BinaryIO | Iterable[bytes],
+) -> bytes | bytearray | memoryview | AsyncIterable[bytes]:
+    """Bytes as they are; a blocking file or iterable as chunks read in worker threads."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return data
+    return _chunks_from_thread(data)
 
 
 async def _chunks_from_thread(data: BinaryIO | Iterable[bytes]) -> AsyncIterator[bytes]:
