@@ -162,6 +162,19 @@ async def send_parts(stream: trio.abc.Stream, parts: Parts) -> None:
     a half-open connection after a snapshot restore) closes the stream instead.
     """
     await trio.lowlevel.checkpoint_if_cancelled()
+    if isinstance(stream, trio.SocketStream):
+        # Fast path: most frames fit in the socket buffer at once, and then need neither a
+        # wait nor the scopes below (two per frame, a tenth of an exec's round trip).
+        try:
+            written = os.writev(stream.socket.fileno(), parts)
+        except BlockingIOError:
+            written = 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"socket send failed: {exc!r}") from exc
+        parts = _after(parts, written)
+        if not parts:
+            await trio.lowlevel.cancel_shielded_checkpoint()  # still a scheduling point
+            return
     with trio.CancelScope(shield=True), trio.move_on_after(FRAME_WRITE_TIMEOUT) as deadline:
         try:
             await _write_parts(stream, parts)
@@ -173,22 +186,27 @@ async def send_parts(stream: trio.abc.Stream, parts: Parts) -> None:
         raise trio.BrokenResourceError(f"no frame written for {FRAME_WRITE_TIMEOUT} s: gave up")
 
 
+def _after(parts: Parts, written: int) -> Parts:
+    """What is left of ``parts`` once ``written`` bytes of them have gone out."""
+    views = [memoryview(part).cast("B") for part in parts]
+    while written and views:
+        first = len(views[0])
+        if written >= first:
+            written -= first
+            views.pop(0)
+        else:
+            views[0] = views[0][written:]
+            written = 0
+    return [view for view in views if len(view)]
+
+
 async def _write_parts(stream: trio.abc.Stream, parts: Parts) -> None:
     if not isinstance(stream, trio.SocketStream):
         for part in parts:
             await stream.send_all(part)
         return
-    views = [memoryview(part).cast("B") for part in parts]
-    while views:
-        sent = await stream.socket.sendmsg(views)
-        while sent:
-            first = len(views[0])
-            if sent >= first:
-                sent -= first
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+    while parts:
+        parts = _after(parts, await stream.socket.sendmsg(parts))
 
 
 class Reader:
