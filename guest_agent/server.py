@@ -202,7 +202,7 @@ class Session:
         call = Call(request.id, request.method, request.params, self)
         self.calls[request.id] = call
         self._requests_served += 1
-        nursery.start_soon(self._run_call, call, handler)
+        nursery.start_soon(self._run_call, call, handler, name="call")
 
     async def _run_call(self, call: Call, handler: Handler) -> None:
         final: Message

@@ -423,7 +423,8 @@ class ExecManager:
         elif exec_.spawned.pty_fd is not None:
             exec_.stdin = trio.lowlevel.FdStream(os.dup(exec_.spawned.pty_fd))
         self.execs[exec_.id] = exec_
-        self.nursery.start_soon(self._supervise, exec_)
+        # Constant task names: trio would otherwise build a string per task (0.4 KiB/exec).
+        self.nursery.start_soon(self._supervise, exec_, name="exec-supervise")
         log.debug(
             "event=exec_started exec=%s pid=%d argv0=%r user=%s",
             exec_.id,
@@ -447,7 +448,7 @@ class ExecManager:
             async with trio.open_nursery() as tasks:
                 for name, fd in outputs.items():
                     assert fd is not None
-                    tasks.start_soon(self._pump, exec_, name, fd)
+                    tasks.start_soon(self._pump, exec_, name, fd, name="exec-pump")
                 if exec_.timeout is not None:
                     tasks.start_soon(self._enforce_timeout, exec_, exec_.timeout)
                 # This task is the only one that waits on the pidfd (trio allows one).
