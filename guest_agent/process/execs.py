@@ -37,8 +37,14 @@ DRAIN_IDLE = 0.1
 _REAP_TIMEOUT = 5.0
 
 
-@dataclass
-class ExecLimits:
+@dataclass(frozen=True)
+class ExecOptions:
+    """How an exec runs, besides what it runs (SpawnSpec)."""
+
+    user: str
+    timeout: float | None = None
+    kill_grace: float = 5.0
+    ring_bytes: int = 1 << 20
     memory_max: int | None = None
     pids_max: int | None = None
 
@@ -116,23 +122,14 @@ class Exec:
         "user",
     )
 
-    def __init__(
-        self,
-        exec_id: str,
-        spec: SpawnSpec,
-        *,
-        user: str,
-        timeout: float | None,
-        kill_grace: float,
-        ring_bytes: int,
-    ) -> None:
+    def __init__(self, exec_id: str, spec: SpawnSpec, options: ExecOptions) -> None:
         self.id = exec_id
         self.spec = spec
-        self.user = user
-        self.timeout = timeout
-        self.kill_grace = kill_grace
+        self.user = options.user
+        self.timeout = options.timeout
+        self.kill_grace = options.kill_grace
         self.stream_names = ("pty",) if spec.pty_size else ("stdout", "stderr")
-        self.buffers = {name: OutputBuffer(ring_bytes) for name in self.stream_names}
+        self.buffers = {name: OutputBuffer(options.ring_bytes) for name in self.stream_names}
         self.spawned: Spawned | None = None
         self.cgroup: ExecCgroup | None = None
         self.started_at = time.time()
@@ -387,28 +384,12 @@ class ExecManager:
         except KeyError:
             raise NotFound(f"no exec {exec_id!r} (never started, or forgotten)") from None
 
-    def start(
-        self,
-        spec: SpawnSpec,
-        *,
-        user: str,
-        timeout: float | None,
-        kill_grace: float,
-        ring_bytes: int,
-        limits: ExecLimits,
-    ) -> Exec:
+    def start(self, spec: SpawnSpec, options: ExecOptions) -> Exec:
         """Spawn at once (start failures raise here) and supervise in the background."""
-        exec_ = Exec(
-            secrets.token_hex(6),
-            spec,
-            user=user,
-            timeout=timeout,
-            kill_grace=kill_grace,
-            ring_bytes=ring_bytes,
-        )
+        exec_ = Exec(secrets.token_hex(6), spec, options)
         cgroup = None
         if self.cgroups is not None:
-            cgroup = self.cgroups.create(f"exec-{exec_.id}", limits.memory_max, limits.pids_max)
+            cgroup = self.cgroups.create(f"exec-{exec_.id}", options.memory_max, options.pids_max)
         try:
             exec_.spawned = spawn(spec, self.cgroups, cgroup)
         except BaseException:
@@ -430,7 +411,7 @@ class ExecManager:
             exec_.id,
             exec_.pid,
             spec.argv[0],
-            user,
+            options.user,
         )
         return exec_
 

@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 from ..process.cgroup import CgroupManager
-from ..process.execs import Attachment, Exec, ExecLimits, ExecManager
+from ..process.execs import Attachment, Exec, ExecManager, ExecOptions
 from ..process.spawn import SpawnSpec
 from ..protocol import MAX_CHUNK_SIZE, InvalidParams
 from ..signals import signal_name, signal_number
@@ -129,42 +129,41 @@ class ExecService:
     async def start(self, call: Call) -> dict[str, Any]:
         """Spawn; then stream output (or, detached, return the exec id at once)."""
         spec, creds = self._spec(call)
-        limits_param = param(call, "limits", dict, {})
-        limits = ExecLimits(
-            memory_max=limits_param.get("memory_bytes"), pids_max=limits_param.get("pids")
-        )
-        for value in (limits.memory_max, limits.pids_max):
+        limits = param(call, "limits", dict, {})
+        memory_max, pids_max = limits.get("memory_bytes"), limits.get("pids")
+        for value in (memory_max, pids_max):
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise InvalidParams("exec.start: limits must be positive integers")
         ring_bytes = param(call, "ring_bytes", int, self.config.output_ring_bytes)
         if not 4096 <= ring_bytes <= 1 << 30:
             raise InvalidParams("exec.start: ring_bytes must be 4 KiB..1 GiB")
-        # Every parameter is checked before the spawn: after it, an error would orphan it.
-        detach = param(call, "detach", bool, False)
-        exec_ = self.manager.start(
-            spec,
+        options = ExecOptions(
             user=creds.name,
             timeout=self._seconds(call, "timeout", None),
             kill_grace=self._seconds(call, "kill_grace", self.config.kill_grace) or 0.0,
             ring_bytes=ring_bytes,
-            limits=limits,
+            memory_max=memory_max,
+            pids_max=pids_max,
         )
+        # Every parameter is checked before the spawn: after it, an error would orphan it.
+        detach = param(call, "detach", bool, False)
+        exec_ = self.manager.start(spec, options)
         started = {
             "exec_id": exec_.id,
             "pid": exec_.pid,
             "cgroup": exec_.cgroup is not None,
-            "limits": self._limits_report(exec_, limits),
+            "limits": self._limits_report(exec_, options),
         }
         if detach:
             exec_.detach()
             return {**started, "detached": True}
         return await self._stream(call, exec_, {}, started=started)
 
-    def _limits_report(self, exec_: Exec, limits: ExecLimits) -> dict[str, Any]:
+    def _limits_report(self, exec_: Exec, options: ExecOptions) -> dict[str, Any]:
         """Each requested limit: applied, or why not (never silently ignored)."""
         report: dict[str, Any] = {}
         applied = exec_.cgroup.limits_applied if exec_.cgroup else {}
-        for controller, value in (("memory", limits.memory_max), ("pids", limits.pids_max)):
+        for controller, value in (("memory", options.memory_max), ("pids", options.pids_max)):
             if value is None:
                 continue
             if controller in applied:
